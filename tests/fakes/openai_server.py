@@ -7,58 +7,15 @@ real HTTP. Behaviour is set per server (latency) or per request (a queue of faul
 from __future__ import annotations
 
 import asyncio
-import threading
 import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-
-class ThreadedServer:
-    """Any ASGI app served by uvicorn in a thread with its own loop, on a free loopback port
-    (kept across a stop and a start, so a test can bring a server "back")."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-        self.port = 0
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, timeout_s: float = 10.0) -> Any:
-        config = uvicorn.Config(
-            self.app, host="127.0.0.1", port=self.port, log_level="error", lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"{type(self).__name__} did not start")
-            time.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
-            self._server = None
-
-    def __enter__(self) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+from scripted_policy import ThreadedServer
 
 
 class FakeOpenAIServer(ThreadedServer):

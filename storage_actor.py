@@ -1,0 +1,295 @@
+"""All writes of a run: per-step screenshots and records, episode summaries, the results
+index, the metrics timeline and run.json (layout: docs/results_format.md).
+
+Runs as an async Ray actor (``ray.remote(StorageActor)``) or in-process. Calls only enqueue:
+the writes happen on a few writer tasks, each owning the episodes hashed to it, so one
+episode's files are written in call order and ``record_result`` (the results.jsonl line)
+lands after that episode's other files. The queues are bounded: a caller that awaits its
+call waits for room, which is the backpressure runners feel when the disk falls behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+import os
+import shutil
+import time
+import uuid
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiofiles
+import aiofiles.os
+
+from config import StorageConfig
+
+log = logging.getLogger(__name__)
+
+RESULTS_FILE = "results.jsonl"
+METRICS_FILE = "metrics.jsonl"
+RUN_FILE = "run.json"
+# Writers per actor: episodes are hashed over them, so disk latency of one episode's file
+# does not hold up the others; 4 keeps the thread pool busy without reordering anything.
+_WRITERS = 4
+
+
+@dataclass
+class _Job:
+    kind: str
+    episode_id: str | None
+    attempt: int
+    payload: dict[str, Any] = field(default_factory=dict)
+    done: asyncio.Future[None] | None = None
+
+
+def _dumps(obj: Any) -> str:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":"), default=str)
+
+
+class StorageActor:
+    """Writes one run directory. Create it once per run; every method is cheap to call."""
+
+    def __init__(self, run_dir: str | Path, cfg: StorageConfig | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.cfg = cfg or StorageConfig()
+        self._queues: list[asyncio.Queue[_Job]] = []
+        self._writers: list[asyncio.Task[None]] = []
+        self._results_lock: asyncio.Lock | None = None
+        self._attempts: dict[str, int] = {}  # episode -> attempt whose files are current
+        self._run_info: dict[str, Any] = {}
+        self.counters = {"steps": 0, "screenshots": 0, "episodes": 0, "results": 0,
+                         "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0}
+
+    # ----------------------------------------------------------------- run
+
+    async def start_run(self, info: dict[str, Any]) -> dict[str, Any]:
+        """Create the run directory, repair a results.jsonl cut short by a crash, write
+        run.json (status ``running``). Returns what the repair found."""
+        self._ensure_writers()
+        await aiofiles.os.makedirs(self.run_dir, exist_ok=True)
+        cut = await asyncio.to_thread(_repair_tail, self.run_dir / RESULTS_FILE)
+        previous = await asyncio.to_thread(_read_json, self.run_dir / RUN_FILE)
+        self._run_info = {
+            **info,
+            "run_dir": str(self.run_dir),
+            "started_at": time.time(),
+            "ended_at": None,
+            "status": "running",
+        }
+        if isinstance(previous, dict):
+            # A resumed run keeps the history of its earlier starts.
+            starts = previous.get("previous_starts") or []
+            starts.append({k: previous.get(k) for k in ("started_at", "ended_at", "status")})
+            self._run_info["previous_starts"] = starts
+        await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
+        return {"results_tail_cut_bytes": cut}
+
+    async def end_run(self, status: str, summary: dict[str, Any] | None = None) -> None:
+        """Flush everything, then mark run.json ended with ``status``."""
+        await self.flush()
+        self._run_info.update(ended_at=time.time(), status=status)
+        if summary is not None:
+            self._run_info["summary"] = summary
+        await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
+
+    # ----------------------------------------------------------------- episodes
+
+    async def begin_episode(self, episode_id: str, attempt: int, task: dict[str, Any]) -> None:
+        """Start (or restart) an episode's directory: files of earlier attempts are removed,
+        writes still queued for them are dropped."""
+        await self._put(_Job("begin", episode_id, attempt, {"task": task}))
+
+    async def write_step(
+        self,
+        episode_id: str,
+        attempt: int,
+        record: dict[str, Any] | None,
+        png: bytes | None = None,
+        png_name: str | None = None,
+    ) -> None:
+        """Append a traj.jsonl line (``record``) and/or write a screenshot ``png_name``."""
+        await self._put(_Job("step", episode_id, attempt,
+                             {"record": record, "png": png, "png_name": png_name}))
+
+    async def finish_episode(
+        self,
+        episode_id: str,
+        attempt: int,
+        record: dict[str, Any],
+        messages: list[dict[str, Any]] | None = None,
+    ) -> None:
+        """episode.json, result.txt (scored episodes) and messages.json of an attempt."""
+        await self._put(_Job("finish", episode_id, attempt,
+                             {"record": record, "messages": messages}))
+
+    async def record_result(self, record: dict[str, Any]) -> None:
+        """The episode is final: append its line to results.jsonl (after its other files)."""
+        await self._put(_Job("result", record["episode_id"], int(record.get("attempt", 0)),
+                             {"record": record}))
+
+    async def write_metrics(self, sample: dict[str, Any]) -> None:
+        await self._put(_Job("metrics", None, 0, {"sample": sample}))
+
+    async def flush(self) -> None:
+        """Return once everything enqueued before this call is on disk."""
+        self._ensure_writers()
+        loop = asyncio.get_running_loop()
+        futures = []
+        for queue in self._queues:
+            done: asyncio.Future[None] = loop.create_future()
+            futures.append(done)
+            await queue.put(_Job("flush", None, 0, done=done))
+        await asyncio.gather(*futures)
+
+    def stats(self) -> dict[str, Any]:
+        return {**self.counters, "queued": sum(q.qsize() for q in self._queues)}
+
+    async def close(self) -> None:
+        await self.flush()
+        for task in self._writers:
+            task.cancel()
+        await asyncio.gather(*self._writers, return_exceptions=True)
+        self._writers = []
+        self._queues = []
+
+    # ----------------------------------------------------------------- internals
+
+    def _ensure_writers(self) -> None:
+        # Loop-bound objects are made on the actor's running loop, not in __init__.
+        if self._writers:
+            return
+        per_writer = max(1, self.cfg.queue_max_items // _WRITERS)
+        self._queues = [asyncio.Queue(per_writer) for _ in range(_WRITERS)]
+        self._results_lock = asyncio.Lock()
+        self._writers = [asyncio.create_task(self._writer(q)) for q in self._queues]
+
+    async def _put(self, job: _Job) -> None:
+        self._ensure_writers()
+        index = zlib.crc32(job.episode_id.encode()) % _WRITERS if job.episode_id else 0
+        await self._queues[index].put(job)
+
+    async def _writer(self, queue: asyncio.Queue[_Job]) -> None:
+        while True:
+            job = await queue.get()
+            try:
+                await self._handle(job)
+            except Exception:
+                # A failed write must not stop the writer (other episodes keep going); it is
+                # counted and logged with the episode it belongs to.
+                self.counters["errors"] += 1
+                log.exception("storage: %s of %s failed", job.kind, job.episode_id)
+            finally:
+                if job.done is not None and not job.done.done():
+                    job.done.set_result(None)
+
+    def _episode_dir(self, episode_id: str) -> Path:
+        path = (self.run_dir / episode_id).resolve()
+        if self.run_dir.resolve() not in path.parents:
+            raise ValueError(f"episode id {episode_id!r} leaves the run directory")
+        return path
+
+    async def _handle(self, job: _Job) -> None:
+        if job.kind == "flush":
+            return
+        if job.kind == "metrics":
+            await self._append(self.run_dir / METRICS_FILE, _dumps(job.payload["sample"]) + "\n")
+            self.counters["metrics"] += 1
+            return
+        assert job.episode_id is not None
+        if job.kind == "begin":
+            self._attempts[job.episode_id] = job.attempt
+            directory = self._episode_dir(job.episode_id)
+            await asyncio.to_thread(shutil.rmtree, directory, True)
+            await aiofiles.os.makedirs(directory, exist_ok=True)
+            await self._write_atomic(directory / "task_config.json",
+                                     json.dumps(job.payload["task"], indent=2,
+                                                ensure_ascii=False).encode())
+            return
+        if job.kind == "result":
+            record = job.payload["record"]
+            self._attempts.pop(job.episode_id, None)
+            assert self._results_lock is not None
+            async with self._results_lock:
+                await self._append(self.run_dir / RESULTS_FILE, _dumps(record) + "\n",
+                                   fsync=self.cfg.fsync)
+            self.counters["results"] += 1
+            return
+        if self._attempts.get(job.episode_id) != job.attempt:
+            # A write of an attempt that was superseded (its runner died and the episode
+            # was restarted elsewhere): never mix it into the new attempt's files.
+            self.counters["dropped_stale"] += 1
+            return
+        directory = self._episode_dir(job.episode_id)
+        if job.kind == "step":
+            png, name = job.payload["png"], job.payload["png_name"]
+            if png is not None and name:
+                await self._write_atomic(directory / name, png)
+                self.counters["screenshots"] += 1
+                self.counters["bytes"] += len(png)
+            record = job.payload["record"]
+            if record is not None:
+                await self._append(directory / "traj.jsonl", _dumps(record) + "\n")
+                self.counters["steps"] += 1
+        elif job.kind == "finish":
+            record = job.payload["record"]
+            await self._write_atomic(directory / "episode.json",
+                                     json.dumps(record, indent=2, ensure_ascii=False,
+                                                default=str).encode())
+            if record.get("reward") is not None:
+                await self._write_atomic(directory / "result.txt",
+                                         f"{float(record['reward'])}\n".encode())
+            messages = job.payload["messages"]
+            if messages is not None and self.cfg.save_messages:
+                await self._write_atomic(directory / "messages.json",
+                                         json.dumps(messages, ensure_ascii=False).encode())
+            self.counters["episodes"] += 1
+
+    async def _write_atomic(self, path: Path, data: bytes) -> None:
+        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+        try:
+            async with aiofiles.open(tmp, "wb") as f:
+                await f.write(data)
+                if self.cfg.fsync:
+                    await f.flush()
+                    await asyncio.to_thread(os.fsync, f.fileno())
+            await aiofiles.os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                await aiofiles.os.remove(tmp)
+            raise
+
+    async def _append(self, path: Path, text: str, *, fsync: bool = False) -> None:
+        async with aiofiles.open(path, "a", encoding="utf-8") as f:
+            await f.write(text)
+            await f.flush()
+            if fsync:
+                await asyncio.to_thread(os.fsync, f.fileno())
+
+
+def _repair_tail(path: Path) -> int:
+    """Cut a last line that a crash left without its newline (that episode is not finished
+    and runs again); returns the bytes removed."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if not data or data.endswith(b"\n"):
+                return 0
+            keep = data.rfind(b"\n") + 1
+            f.truncate(keep)
+            log.warning("%s: removed an unfinished last line (%d bytes)", path,
+                        len(data) - keep)
+            return len(data) - keep
+    except FileNotFoundError:
+        return 0
+
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
