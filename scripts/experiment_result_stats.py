@@ -1,0 +1,194 @@
+"""Figures of several runs side by side: per run the success rate, avg@k, pass@k, episode
+status counts, mean steps and time; their mean and standard deviation across runs; and the
+any-correct rate (fraction of tasks solved by some rollout of some run).
+
+Statistics: the mean and the sample standard deviation (n - 1) over the runs that have the
+figure (a run with nothing scored has no rates); the deviation is empty for a single run.
+The any-correct rate counts tasks scored in at least one run; it is pass@k of all runs'
+episodes pooled, shown as the row "pooled".
+
+Exit codes: 0, 2 bad usage or a RUN_DIR missing / not a directory.
+``-o FILE.csv`` writes the table: a header, then one row per run, "mean", "std", "pooled".
+``--json``: {"schema": "experiment_result_stats/1", "runs": [{"run": str, "run_dir": str,
+"layout": str, **RATES}], "mean": {column: float|null}, "std": {column: float|null},
+"pooled": RATES, "any_correct": {"rate": float|null, "solved_tasks": int, "tasks": int}};
+RATES as in show_result.py's docstring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
+if _SCRIPTS_DIR not in sys.path:
+    sys.path.insert(0, _SCRIPTS_DIR)
+
+import results_io as rio  # noqa: E402
+
+SCHEMA = "experiment_result_stats/1"
+# Columns that get a mean and a standard deviation across runs.
+NUMERIC_COLUMNS = (
+    "episodes",
+    "scored_episodes",
+    "scored_tasks",
+    "solved_tasks",
+    "success_rate",
+    "avg_at_k",
+    "pass_at_k",
+    *rio.STATUSES,
+    "mean_steps",
+    "mean_duration_s",
+)
+CSV_COLUMNS = ("run", "layout", "k", *NUMERIC_COLUMNS)
+_RATE_COLUMNS = frozenset({"success_rate", "avg_at_k", "pass_at_k"})
+# Short headers keep the table inside 160 columns.
+_HEADERS = {
+    "episodes": "episodes",
+    "scored_episodes": "scored",
+    "scored_tasks": "tasks",
+    "solved_tasks": "solved",
+    "success_rate": "success",
+    "avg_at_k": "avg@k",
+    "pass_at_k": "pass@k",
+    **rio.STATUS_ABBREV,
+    "mean_steps": "steps",
+    "mean_duration_s": "time s",
+}
+
+
+def collect(runs: list[rio.Run]) -> dict[str, Any]:
+    """The --json object (see the module docstring)."""
+    names = [r.name for r in runs]
+    rows = []
+    for run in runs:
+        # Two runs with the same directory name: tell them apart by the path given.
+        name = run.name if names.count(run.name) == 1 else str(run.path)
+        rows.append(
+            {
+                "run": name,
+                "run_dir": str(run.path),
+                "layout": run.layout,
+                **rio.flat_rates(rio.compute_rates(run.episodes).to_json()),
+            }
+        )
+    mean, std = {}, {}
+    for column in NUMERIC_COLUMNS:
+        mean[column], std[column] = rio.mean_std(row[column] for row in rows)
+    pooled = rio.compute_rates(e for run in runs for e in run.episodes)
+    return {
+        "schema": SCHEMA,
+        "runs": rows,
+        "mean": mean,
+        "std": std,
+        "pooled": pooled.to_json(),
+        "any_correct": {
+            "rate": pooled.pass_at_k,
+            "solved_tasks": pooled.solved_tasks,
+            "tasks": pooled.scored_tasks,
+        },
+    }
+
+
+def write_csv(stats: dict[str, Any], path: Path) -> None:
+    pooled = {"run": "pooled", "layout": "", **rio.flat_rates(stats["pooled"])}
+    with path.open("w", newline="", encoding="utf-8") as f:
+        writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        for row in stats["runs"]:
+            writer.writerow(_csv_row(row))
+        writer.writerow(_csv_row({"run": "mean", **stats["mean"]}))
+        writer.writerow(_csv_row({"run": "std", **stats["std"]}))
+        writer.writerow(_csv_row(pooled))
+
+
+def _csv_row(row: dict[str, Any]) -> dict[str, Any]:
+    # Full precision in the file; empty cells for figures that do not exist.
+    return {c: ("" if row.get(c) is None else row.get(c)) for c in CSV_COLUMNS}
+
+
+def _print_table(stats: dict[str, Any]) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console() if sys.stdout.isatty() else Console(width=160)
+    table = Table(title=f"{len(stats['runs'])} runs", title_justify="left")
+    table.add_column("run")
+    table.add_column("k", justify="right")
+    for column in NUMERIC_COLUMNS:
+        table.add_column(_HEADERS[column], justify="right")
+
+    def cells(row: dict[str, Any]) -> list[str]:
+        out = []
+        for column in NUMERIC_COLUMNS:
+            value = row.get(column)
+            if column in _RATE_COLUMNS:
+                out.append(rio.fmt_rate(value))
+            elif isinstance(value, int):
+                out.append(str(value))
+            else:
+                out.append(rio.fmt_float(value, 2))
+        return out
+
+    for row in stats["runs"]:
+        table.add_row(row["run"], row["k"], *cells(row))
+    table.add_section()
+    table.add_row("mean", "", *cells(stats["mean"]), style="bold")
+    table.add_row("std", "", *cells(stats["std"]))
+    pooled = rio.flat_rates(stats["pooled"])
+    table.add_section()
+    table.add_row("pooled", pooled["k"], *cells(pooled), style="cyan")
+    console.print(table)
+    any_correct = stats["any_correct"]
+    console.print(
+        f"any-correct rate: {rio.fmt_rate(any_correct['rate'])} "
+        f"({any_correct['solved_tasks']}/{any_correct['tasks']} tasks solved in some run); "
+        "std is the sample deviation (n - 1) across runs; "
+        "infra_error and cancelled are excluded from every rate."
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="experiment_result_stats.py",
+        description="Per-run success rate, avg@k, pass@k and status counts of several runs, "
+        "their mean and standard deviation, and the any-correct rate. " + rio.RUN_DIR_HELP,
+    )
+    parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories")
+    parser.add_argument(
+        "-o",
+        "--output",
+        metavar="FILE.csv",
+        type=Path,
+        help="also write the table as CSV to this file",
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.output is not None and not args.output.parent.is_dir():
+        parser.exit(2, f"{parser.prog}: error: {args.output.parent}: no such directory\n")
+    runs = [rio.open_run(parser, path) for path in args.run_dirs]
+    for run in runs:
+        if not run.episodes:
+            print(f"{run.path}: no finished episodes", file=sys.stderr)
+    stats = collect(runs)
+    if args.json:
+        print(json.dumps(stats, indent=2))
+    else:
+        _print_table(stats)
+    if args.output is not None:
+        write_csv(stats, args.output)
+        print(f"wrote {args.output}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
