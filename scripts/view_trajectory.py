@@ -1,0 +1,467 @@
+"""A static HTML report of a run's trajectories: ``index.html`` with a sortable table of
+tasks x rollouts, and one page per episode with every step's screenshot (the one the model
+saw), the action drawn over it, the thought, the raw response and the step's timings.
+
+Self-contained and offline: screenshots are hard-linked (copied across file systems) into
+the output directory and referenced by relative paths, lazily loaded; the only script is a
+small inline table sorter. ``index.html#sort=<column>[:asc|:desc]`` sorts on load through
+the same click handler a user triggers (columns: domain, task, instruction, reward, solved,
+r0, r1, ...). Exit codes: 0, 2 bad usage or RUN_DIR missing / not a directory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import os
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import quote
+
+_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
+if _SCRIPTS_DIR not in sys.path:
+    sys.path.insert(0, _SCRIPTS_DIR)
+
+import results_io as rio  # noqa: E402
+
+EPISODES_DIR = "episodes"
+# Overlay sizes are in screen pixels of a 1280-wide screen and scale with the screenshot.
+_REFERENCE_WIDTH_PX = 1280
+_MARKER_RADIUS_PX = 18
+_FONT_PX = 22
+_SCROLL_ARROW_PX = 120
+_LABEL_MAX_CHARS = 80
+_SCROLL_VECTORS = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
+
+_CSS = """
+body { font: 14px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #222; }
+table { border-collapse: collapse; }
+th, td { border: 1px solid #ccc; padding: 3px 6px; vertical-align: top; }
+th[data-col] { cursor: pointer; background: #f0f0f0; user-select: none; }
+th[data-dir=asc]::after { content: " \\25B2"; }
+th[data-dir=desc]::after { content: " \\25BC"; }
+td.num { text-align: right; }
+.st-success { background: #d7f5d7; } .st-failure { background: #f8d7d7; }
+.st-max_steps, .st-timeout { background: #fbe9c8; }
+.st-infra_error, .st-cancelled { background: #e0e0e0; color: #555; }
+.step, .final { border-top: 2px solid #888; margin-top: 1.5em; padding-top: .5em; }
+.cols { display: flex; gap: 1.5em; align-items: flex-start; }
+.shot { position: relative; flex: 0 0 62%; margin: 0; }
+.shot img { display: block; width: 100%; height: auto; background: #333; }
+.shot svg { position: absolute; left: 0; top: 0; width: 100%; height: 100%; pointer-events: none; }
+.text { flex: 1; min-width: 0; }
+pre { white-space: pre-wrap; word-break: break-word; background: #f6f6f6; padding: .5em; }
+.missing { padding: 3em 1em; background: #eee; color: #a00; }
+.warn { color: #a00; }
+"""
+
+_SORT_JS = """
+"use strict";
+function sortBy(th) {
+  const row = th.parentNode, idx = Array.prototype.indexOf.call(row.children, th);
+  const dir = th.dataset.dir === "asc" ? "desc" : "asc";
+  for (const h of row.children) { delete h.dataset.dir; }
+  th.dataset.dir = dir;
+  const numeric = th.dataset.type === "num", sign = dir === "asc" ? 1 : -1;
+  const tbody = th.closest("table").tBodies[0];
+  const key = (tr) => {
+    const cell = tr.cells[idx];
+    const raw = cell ? (cell.dataset.sort ?? cell.textContent.trim()) : "";
+    return numeric ? (raw === "" ? NaN : Number(raw)) : raw;
+  };
+  const rows = Array.from(tbody.rows);
+  rows.sort((a, b) => {
+    const x = key(a), y = key(b);
+    if (numeric) {
+      // Cells without a figure go last in both directions.
+      if (Number.isNaN(x) || Number.isNaN(y)) { return Number.isNaN(x) - Number.isNaN(y); }
+      return sign * (x - y);
+    }
+    return sign * x.localeCompare(y, undefined, { numeric: true });
+  });
+  for (const tr of rows) { tbody.appendChild(tr); }
+}
+for (const th of document.querySelectorAll("th[data-col]")) {
+  th.addEventListener("click", () => sortBy(th));
+}
+function sortFromHash() {
+  const m = /^#sort=([\\w-]+)(?::(asc|desc))?$/.exec(location.hash);
+  if (!m) { return; }
+  const th = document.querySelector('th[data-col="' + m[1] + '"]');
+  if (!th) { return; }
+  th.click();
+  if (th.dataset.dir !== (m[2] || "asc")) { th.click(); }
+}
+sortFromHash();
+window.addEventListener("hashchange", sortFromHash);
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape("" if value is None else str(value), quote=True)
+
+
+def _page(title: str, body: str, *, script: str = "") -> str:
+    tail = f"<script>{script}</script>\n" if script else ""
+    return (
+        '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
+        f"<title>{_e(title)}</title>\n<style>{_CSS}</style></head>\n"
+        f"<body>\n{body}\n{tail}</body></html>\n"
+    )
+
+
+# --------------------------------------------------------------------------- images
+
+
+def _place_image(src: Path, dst: Path) -> None:
+    """Hard-link ``src`` to ``dst`` (a copy across file systems); reruns replace it."""
+    if dst.exists():
+        if dst.samefile(src):
+            return
+        dst.unlink()
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _image_size(path: Path) -> tuple[int, int] | None:
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with Image.open(path) as image:
+            return image.size
+    except (OSError, UnidentifiedImageError):
+        return None
+
+
+def _observation_name(lines: list[dict[str, Any]], i: int) -> str | None:
+    """The screenshot the model saw before step ``i`` (0-based): ``observation_file``, else
+    the previous step's ``screenshot_file``, else step_0.png for the first step."""
+    name = lines[i].get("observation_file")
+    if not isinstance(name, str) or not name:
+        name = lines[i - 1].get("screenshot_file") if i > 0 else "step_0.png"
+    # Only a file name: screenshots live in the episode directory, never elsewhere.
+    return Path(name).name if isinstance(name, str) and name else None
+
+
+# --------------------------------------------------------------------------- overlay
+
+
+def _point(value: Any) -> tuple[float, float] | None:
+    if isinstance(value, list | tuple) and len(value) == 2:
+        x, y = value
+        if all(isinstance(v, int | float) and not isinstance(v, bool) for v in (x, y)):
+            return (float(x), float(y))
+    return None
+
+
+def _action_label(action: dict[str, Any]) -> str:
+    kind = str(action.get("kind") or "?")
+    keys = action.get("keys")
+    content = action.get("content")
+    if kind == "scroll":
+        label = f"scroll {action.get('direction') or ''}".strip()
+    elif isinstance(keys, list) and keys:
+        label = f"{kind} {'+'.join(str(k) for k in keys)}"
+    elif isinstance(content, str) and content:
+        label = f"{kind} \u201c{content}\u201d"
+    else:
+        label = kind
+    if len(label) > _LABEL_MAX_CHARS:
+        label = label[: _LABEL_MAX_CHARS - 1] + "\u2026"
+    return label
+
+
+def overlay_svg(actions: list[Any], width: int, height: int, uid: str) -> str:
+    """An SVG drawn over a width x height screenshot: a ring at each click point, an arrow
+    for a drag or a scroll, a label with the action (typed text, keys)."""
+    scale = width / _REFERENCE_WIDTH_PX
+    r, font, arrow = _MARKER_RADIUS_PX * scale, _FONT_PX * scale, _SCROLL_ARROW_PX * scale
+    stroke = 4 * scale
+    marker = f"ah-{uid}"
+    shapes: list[str] = []
+    banner_y = font * 1.5
+
+    def label(text: str, x: float, y: float) -> None:
+        # Keep the label on screen; a dark outline keeps it readable on any background.
+        x = max(min(x, width - len(text) * font * 0.55), 4 * scale)
+        y = max(min(y, height - font * 0.4), font)
+        shapes.append(
+            f'<text x="{x:.1f}" y="{y:.1f}" font-size="{font:.1f}" font-family="sans-serif" '
+            f'fill="#ffeb3b" stroke="#000" stroke-width="{stroke:.1f}" '
+            f'paint-order="stroke" class="action-label">{_e(text)}</text>'
+        )
+
+    def ring(x: float, y: float, cls: str) -> None:
+        shapes.append(
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{r:.1f}" fill="none" stroke="#ff1744" '
+            f'stroke-width="{stroke:.1f}" class="{cls}"/>'
+            f'<circle cx="{x:.1f}" cy="{y:.1f}" r="{stroke:.1f}" fill="#ff1744"/>'
+        )
+
+    def line(x1: float, y1: float, x2: float, y2: float, cls: str) -> None:
+        shapes.append(
+            f'<line x1="{x1:.1f}" y1="{y1:.1f}" x2="{x2:.1f}" y2="{y2:.1f}" stroke="#ff1744" '
+            f'stroke-width="{stroke:.1f}" marker-end="url(#{marker})" class="{cls}"/>'
+        )
+
+    for action in actions:
+        if not isinstance(action, dict):
+            continue
+        kind = action.get("kind")
+        text = _action_label(action)
+        point, end = _point(action.get("point")), _point(action.get("end_point"))
+        if kind == "scroll":
+            x, y = point or (width / 2, height / 2)
+            dx, dy = _SCROLL_VECTORS.get(str(action.get("direction")), (0, 1))
+            ring(x, y, "scroll-point")
+            line(x, y, x + dx * arrow, y + dy * arrow, "scroll-arrow")
+            label(text, x + r * 1.5, y - r * 1.5)
+        elif point is not None:
+            ring(*point, "drag-start" if end is not None else "click-point")
+            if end is not None:
+                line(*point, *end, "drag-arrow")
+            label(text, point[0] + r * 1.5, point[1] - r * 1.5)
+        else:
+            label(text, 8 * scale, banner_y)
+            banner_y += font * 1.4
+    defs = (
+        f'<defs><marker id="{marker}" viewBox="0 0 10 10" refX="8" refY="5" markerWidth="5" '
+        f'markerHeight="5" orient="auto-start-reverse"><path d="M0,0 L10,5 L0,10 z" '
+        f'fill="#ff1744"/></marker></defs>'
+    )
+    return (
+        # Inline SVG in HTML needs no xmlns: the pages name no URL at all.
+        f'<svg class="overlay" viewBox="0 0 {width} {height}" preserveAspectRatio="none">'
+        f"{defs}{''.join(shapes)}</svg>"
+    )
+
+
+# --------------------------------------------------------------------------- pages
+
+
+def _figure(
+    episode: rio.Episode, name: str | None, image_dir: Path, slug: str, caption: str,
+    actions: list[Any], uid: str,
+) -> str:  # fmt: skip
+    src = episode.dir / name if (episode.dir is not None and name) else None
+    if src is None or not src.is_file():
+        missing = f'<div class="missing">screenshot not found: {_e(name)}</div>'
+        return f'<figure class="shot">{missing}</figure>'
+    image_dir.mkdir(parents=True, exist_ok=True)
+    _place_image(src, image_dir / name)
+    size = _image_size(src)
+    overlay = overlay_svg(actions, *size, uid) if size and actions else ""
+    dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
+    url = f"{slug}/{quote(name, safe='@')}"  # a file name may hold '#', '?' or spaces
+    return (
+        f'<figure class="shot"><img src="{_e(url)}" loading="lazy" alt="{_e(name)}"{dims}>'
+        f"{overlay}<figcaption>{_e(caption)}</figcaption></figure>"
+    )
+
+
+def _timing_rows(line: dict[str, Any]) -> str:
+    rows = []
+    timing = line.get("timing")
+    if isinstance(timing, dict):
+        for key, value in timing.items():
+            shown = f"{value:.3f}" if isinstance(value, int | float) else value
+            rows.append((key, shown))
+    for key in ("prompt_tokens", "completion_tokens", "parse_retries", "model_endpoint",
+                "model_version", "action_timestamp"):  # fmt: skip
+        if line.get(key) is not None:
+            rows.append((key, line[key]))
+    info = line.get("info")
+    if isinstance(info, dict):
+        rows.extend((f"info.{k}", v) for k, v in info.items() if v is not None)
+    cells = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in rows)
+    return f'<table class="timing">{cells}</table>'
+
+
+def episode_page(
+    episode: rio.Episode, lines: list[dict[str, Any]], problems: list[rio.Problem],
+    image_dir: Path, slug: str,
+) -> str:  # fmt: skip
+    """The HTML of one episode; its screenshots are placed in ``image_dir``."""
+    reward = "-" if episode.reward is None else f"{episode.reward:g}"
+    duration = rio.fmt_float(episode.duration_s)
+    facts = [
+        ("status", episode.status), ("reward", reward), ("steps", episode.steps),
+        ("duration s", duration), ("infeasible", episode.infeasible),
+        ("error", episode.error),
+    ]  # fmt: skip
+    for key in ("model_version", "desktop", "last_action", "attempt", "parse_failures"):
+        if episode.record.get(key) is not None:
+            facts.append((key, episode.record[key]))
+    timing = episode.record.get("timing")
+    if isinstance(timing, dict):
+        facts.append(("timing s", ", ".join(f"{k} {v}" for k, v in timing.items())))
+    head = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)
+    parts = [
+        '<p><a href="../index.html">&larr; all episodes</a></p>',
+        f'<h1 class="st-{_e(episode.status)}">{_e(episode.episode_id)}</h1>',
+        f'<p class="instruction">{_e(episode.instruction)}</p>',
+        f'<table class="episode">{head}</table>',
+    ]
+    parts += [f'<p class="warn">{_e(p)}</p>' for p in problems]
+    if not lines:
+        parts.append('<p class="warn">no steps recorded (traj.jsonl missing or empty)</p>')
+    for i, line in enumerate(lines):
+        n = line.get("step_num", i + 1)
+        actions = line.get("actions") if isinstance(line.get("actions"), list) else []
+        name = _observation_name(lines, i)
+        figure = _figure(episode, name, image_dir, slug, f"{name}: what the model saw",
+                         actions, f"s{i}")  # fmt: skip
+        listed = "".join(f"<li>{_e(_action_label(a))}{_e(_where(a))}</li>"
+                         for a in actions if isinstance(a, dict))  # fmt: skip
+        thought = line.get("thought")
+        parts.append(
+            f'<section class="step" id="step-{_e(n)}"><h2>Step {_e(n)}</h2><div class="cols">'
+            f'{figure}<div class="text">'
+            + (f'<h3>Thought</h3><p class="thought">{_e(thought)}</p>' if thought else "")
+            + (f'<h3>Actions</h3><ul class="actions">{listed}</ul>' if listed else "")
+            + f'<h3>Code</h3><pre class="code">{_e(line.get("action"))}</pre>'
+            + f'<h3>Response</h3><pre class="response">{_e(line.get("response"))}</pre>'
+            + f"<h3>Timing</h3>{_timing_rows(line)}</div></div></section>"
+        )
+    if lines:
+        last = lines[-1].get("screenshot_file")
+        if isinstance(last, str) and last:
+            figure = _figure(episode, Path(last).name, image_dir, slug,
+                             f"{Path(last).name}: the screen at the end", [], "final")  # fmt: skip
+            parts.append(f'<section class="final"><h2>Final screen</h2>{figure}</section>')
+    return _page(episode.episode_id, "\n".join(parts))
+
+
+def _where(action: dict[str, Any]) -> str:
+    point, end = _point(action.get("point")), _point(action.get("end_point"))
+    if point and end:
+        return f" at ({point[0]:g}, {point[1]:g}) to ({end[0]:g}, {end[1]:g})"
+    return f" at ({point[0]:g}, {point[1]:g})" if point else ""
+
+
+def index_page(run: rio.Run, episodes: list[rio.Episode], links: dict[str, str]) -> str:
+    """The tasks x rollouts table; ``links`` maps episode ids to their pages."""
+    tasks = rio.summarize_tasks(episodes)
+    by_task: dict[tuple[str, str], dict[int, rio.Episode]] = {}
+    for e in episodes:
+        by_task.setdefault(e.task_key, {})[e.rollout] = e
+    rollouts = sorted({e.rollout for e in episodes})
+    header = (
+        '<th data-col="domain">domain</th><th data-col="task">task</th>'
+        '<th data-col="instruction">instruction</th>'
+        '<th data-col="reward" data-type="num">mean reward</th>'
+        '<th data-col="solved" data-type="num">solved</th>'
+        + "".join(f'<th data-col="r{r}" data-type="num">r{r}</th>' for r in rollouts)
+    )
+    rows = []
+    for key, task in tasks.items():
+        mean = task.mean_reward
+        cells = [
+            f"<td>{_e(task.domain)}</td><td>{_e(task.task_id)}</td>",
+            f"<td>{_e(task.instruction)}{' (infeasible)' if task.infeasible else ''}</td>",
+            f'<td class="num" data-sort="{"" if mean is None else f"{mean:.6f}"}">'
+            f"{'-' if mean is None else f'{mean:.2f}'}</td>",
+            f'<td class="num" data-sort="{int(task.solved)}">{"yes" if task.solved else ""}</td>',
+        ]
+        for r in rollouts:
+            e = by_task[key].get(r)
+            if e is None:
+                cells.append('<td data-sort=""></td>')
+                continue
+            reward = "" if e.reward is None else f"{e.reward:g}"
+            cells.append(
+                f'<td class="st-{_e(e.status)}" data-sort="{reward}">'
+                f'<a href="{_e(links[e.episode_id])}">{_e(e.status)}</a><br>'
+                f"{reward or '-'} &middot; {_e(e.steps if e.steps is not None else '-')} steps"
+                f" &middot; {rio.fmt_float(e.duration_s)} s</td>"
+            )
+        rows.append(f'<tr data-task="{_e(key[0])}/{_e(key[1])}">{"".join(cells)}</tr>')
+    rates = rio.compute_rates(episodes)
+    k = rio.k_label(rates.to_json())
+    summary = (
+        f"{rates.scored_episodes} scored episodes of {rates.episodes}; success "
+        f"{rio.fmt_rate(rates.success_rate)}, avg@{k} {rio.fmt_rate(rates.avg_at_k)}, "
+        f"pass@{k} {rio.fmt_rate(rates.pass_at_k)}; infra_error "
+        f"{rates.status_counts['infra_error']}, cancelled {rates.status_counts['cancelled']}"
+    )
+    body = (
+        f"<h1>{_e(run.path)}</h1><p>{_e(summary)}. Click a column header to sort.</p>"
+        f'<table id="episodes"><thead><tr>{header}</tr></thead>'
+        f"<tbody>{''.join(rows)}</tbody></table>"
+    )
+    return _page(f"{run.name}: trajectories", body, script=_SORT_JS)
+
+
+def _slug(episode_id: str, taken: set[str]) -> str:
+    base = re.sub(r"[^A-Za-z0-9._-]+", "_", episode_id.replace("/", "__")).strip(".") or "ep"
+    slug, n = base, 1
+    while slug in taken:
+        n += 1
+        slug = f"{base}-{n}"
+    taken.add(slug)
+    return slug
+
+
+def build(run: rio.Run, out_dir: Path, task: str | None = None) -> list[rio.Episode]:
+    """Write index.html and the episode pages into ``out_dir``; return the episodes shown."""
+    episodes = [
+        e for e in run.episodes
+        if task is None or task in (e.task_id, f"{e.domain}/{e.task_id}")
+    ]  # fmt: skip
+    episodes.sort(key=lambda e: (e.domain, e.task_id, e.rollout))
+    pages_dir = out_dir / EPISODES_DIR
+    pages_dir.mkdir(parents=True, exist_ok=True)
+    links: dict[str, str] = {}
+    taken: set[str] = set()
+    for e in episodes:
+        slug = _slug(e.episode_id, taken)
+        lines, problems = rio.read_traj(e)
+        rio.report_problems(problems)
+        page = episode_page(e, lines, problems, pages_dir / slug, slug)
+        (pages_dir / f"{slug}.html").write_text(page, encoding="utf-8")
+        links[e.episode_id] = f"{EPISODES_DIR}/{slug}.html"
+    (out_dir / "index.html").write_text(index_page(run, episodes, links), encoding="utf-8")
+    return episodes
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="view_trajectory.py",
+        description="Write a static HTML report of a run's episodes: index.html (tasks x "
+        "rollouts, sortable) and a page per episode with each step's screenshot, the action "
+        "drawn on it, the thought, the raw response and the timings. " + rio.RUN_DIR_HELP,
+    )
+    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
+    parser.add_argument("--task", metavar="ID", help="only this task (task_id or domain/task_id)")
+    parser.add_argument("--out", metavar="DIR", type=Path,
+                        help="output directory (default: RUN_DIR/viewer)")  # fmt: skip
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    run = rio.open_run(parser, args.run_dir)
+    out_dir = args.out if args.out is not None else run.path / "viewer"
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: {out_dir}: cannot create ({exc.strerror})\n")
+    if args.task is not None and not any(
+        args.task in (e.task_id, f"{e.domain}/{e.task_id}") for e in run.episodes
+    ):
+        parser.exit(2, f"{parser.prog}: error: --task {args.task}: no episode in {run.path}\n")
+    episodes = build(run, out_dir, args.task)
+    if not episodes:
+        print(f"{run.path}: no finished episodes")
+    print(f"wrote {out_dir / 'index.html'} ({len(episodes)} episodes)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
