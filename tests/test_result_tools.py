@@ -1,0 +1,486 @@
+"""The result scripts (scripts/show_result.py, experiment_result_stats.py,
+compare_exp_result.py, view_trajectory.py, plot_run.py and their results_io.py) on synthetic
+run directories whose figures are worked out by hand in tests/results_fixtures.py."""
+
+from __future__ import annotations
+
+import contextlib
+import csv
+import json
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from tests.results_fixtures import RUN_A, RUN_B, Ep, make_osworld_run, make_run
+from tests.support import unavailable
+
+REPO = Path(__file__).resolve().parent.parent
+SCRIPTS = REPO / "scripts"
+sys.path.insert(0, str(SCRIPTS))
+
+import compare_exp_result  # noqa: E402
+import experiment_result_stats  # noqa: E402
+import plot_run  # noqa: E402
+import results_io  # noqa: E402
+import show_result  # noqa: E402
+import view_trajectory  # noqa: E402
+
+ALL_SCRIPTS = (
+    "show_result.py",
+    "experiment_result_stats.py",
+    "compare_exp_result.py",
+    "view_trajectory.py",
+    "plot_run.py",
+)
+
+
+@pytest.fixture
+def run_a(tmp_path: Path) -> Path:
+    return make_run(tmp_path, "run_a", RUN_A, screenshots=True)
+
+
+@pytest.fixture
+def run_b(tmp_path: Path) -> Path:
+    return make_run(tmp_path, "run_b", RUN_B)
+
+
+def _json_of(capsys: pytest.CaptureFixture[str], main, argv: list[str]) -> dict:
+    assert main(argv) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+# --------------------------------------------------------------------------- show_result
+
+
+def test_show_result_figures_of_a_hand_built_run(run_a, capsys):
+    summary = _json_of(capsys, show_result.main, [str(run_a), "--json"])
+    assert summary["schema"] == "show_result/1"
+    assert summary["layout"] == "cua-rollout"
+    assert summary["problems"] == []
+    overall = summary["overall"]
+    # 9 scored episodes with rewards summing to 4.5; infra_error and cancelled left out.
+    assert overall["episodes"] == 13
+    assert overall["scored_episodes"] == 9
+    assert overall["success_rate"] == pytest.approx(0.5)
+    # Task means t1 1/2, t2 1/4, t3 2/3, t4 1/2 (t5 has only infra errors: no score).
+    assert overall["avg_at_k"] == pytest.approx((0.5 + 0.25 + 2 / 3 + 0.5) / 4)
+    assert overall["pass_at_k"] == pytest.approx(3 / 4)
+    assert (overall["tasks"], overall["scored_tasks"], overall["solved_tasks"]) == (5, 4, 3)
+    assert (overall["k_min"], overall["k_max"]) == (2, 3)
+    assert overall["status_counts"] == {
+        "success": 4, "failure": 3, "max_steps": 1, "timeout": 1,
+        "infra_error": 3, "cancelled": 1,
+    }  # fmt: skip
+    # Means over scored episodes only.
+    assert overall["mean_steps"] == pytest.approx((3 + 5 + 4 + 15 + 2 + 2 + 6 + 1 + 1) / 9)
+    assert overall["mean_duration_s"] == pytest.approx(
+        (30 + 50 + 40 + 150 + 20 + 20 + 600 + 10 + 10) / 9
+    )
+
+    domains = summary["domains"]
+    assert list(domains) == ["chrome", "gimp", "os"]
+    assert domains["chrome"]["success_rate"] == pytest.approx(1.5 / 4)
+    assert domains["chrome"]["pass_at_k"] == pytest.approx(0.5)
+    assert domains["gimp"]["success_rate"] == pytest.approx(2 / 3)
+    assert domains["os"]["success_rate"] == pytest.approx(0.5)
+    assert domains["os"]["status_counts"]["infra_error"] == 2
+    # Groups appear only for the domains present: chrome -> Daily, gimp -> Professional.
+    assert set(summary["groups"]) == {"Daily", "Professional"}
+    assert summary["groups"]["Daily"]["success_rate"] == pytest.approx(1.5 / 4)
+    # The infeasible task (os/t4) apart from the feasible ones.
+    assert summary["infeasible"]["scored_tasks"] == 1
+    assert summary["infeasible"]["success_rate"] == pytest.approx(0.5)
+    assert summary["feasible"]["success_rate"] == pytest.approx(3.5 / 7)
+    assert summary["feasible"]["avg_at_k"] == pytest.approx((0.5 + 0.25 + 2 / 3) / 3)
+    assert summary["feasible"]["pass_at_k"] == pytest.approx(2 / 3)
+
+
+def test_show_result_table_for_humans(run_a, capsys):
+    assert show_result.main([str(run_a)]) == 0
+    out = capsys.readouterr().out
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if "│" in line}
+    assert {"chrome", "gimp", "os", "Daily", "Professional", "feasible", "infeasible", "all"} <= (
+        set(rows)
+    )
+    assert "Office" not in rows
+    assert "50.0%" in rows["all"] and "75.0%" in rows["all"] and "47.9%" in rows["all"]
+    assert "avg@2-3" in out and "pass@2-3" in out
+
+
+def test_office_group_accepts_short_and_osworld_domain_names(tmp_path, capsys):
+    run = make_run(tmp_path, "office", [
+        Ep("calc", "c1", 0, "success", 1.0),
+        Ep("libreoffice_writer", "w1", 0, "failure", 0.0),
+        Ep("impress", "i1", 0, "failure", 0.5),
+        Ep("vs_code", "v1", 0, "success", 1.0),
+    ], metrics=False)  # fmt: skip
+    summary = _json_of(capsys, show_result.main, [str(run), "--json"])
+    assert set(summary["groups"]) == {"Office", "Professional"}
+    assert summary["groups"]["Office"]["scored_episodes"] == 3
+    assert summary["groups"]["Office"]["success_rate"] == pytest.approx(1.5 / 3)
+    assert summary["groups"]["Professional"]["success_rate"] == pytest.approx(1.0)
+
+
+def test_show_result_reads_osworlds_own_layout(tmp_path, capsys):
+    run = make_osworld_run(tmp_path)
+    summary = _json_of(capsys, show_result.main, [str(run), "--json"])
+    assert summary["layout"] == "osworld"
+    overall = summary["overall"]
+    # chrome/a 1.0, chrome/b 0.0, libreoffice_calc/c 0.5; vlc/unfinished has no result.txt.
+    assert overall["scored_episodes"] == 3
+    assert overall["success_rate"] == pytest.approx(0.5)
+    assert overall["pass_at_k"] == pytest.approx(1 / 3)
+    assert overall["status_counts"]["success"] == 1
+    assert overall["status_counts"]["failure"] == 2
+    assert overall["mean_steps"] == pytest.approx((3 + 2 + 1) / 3)  # traj.jsonl line counts
+    assert overall["mean_duration_s"] is None
+    assert set(summary["domains"]) == {"chrome", "libreoffice_calc"}
+    assert set(summary["groups"]) == {"Office", "Daily"}
+
+
+def test_empty_run_dir_has_no_finished_episodes_and_exits_0(tmp_path, capsys):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert show_result.main([str(empty)]) == 0
+    assert "no finished episodes" in capsys.readouterr().out
+    summary = _json_of(capsys, show_result.main, [str(empty), "--json"])
+    assert summary["overall"]["episodes"] == 0
+    assert summary["overall"]["success_rate"] is None
+    assert summary["domains"] == {} and summary["groups"] == {}
+
+
+def test_broken_lines_are_reported_with_file_and_line_and_skipped(tmp_path, capsys):
+    run = make_run(tmp_path, "broken", [Ep("os", "a", 0, "success", 1.0),
+                                        Ep("os", "b", 0, "failure", 0.0)])  # fmt: skip
+    path = run / "results.jsonl"
+    good = path.read_text().splitlines()
+    bad_status = json.loads(good[1]) | {"status": "exploded"}
+    no_reward = json.loads(good[1]) | {"status": "timeout", "reward": None, "task_id": "c"}
+    path.write_text("\n".join([
+        good[0],
+        good[1][: len(good[1]) // 2],  # a crash cut this line short
+        json.dumps(bad_status),
+        "[1, 2]",
+        json.dumps(no_reward),
+        good[1],
+    ]) + "\n")  # fmt: skip
+    assert show_result.main([str(run), "--json"]) == 0
+    captured = capsys.readouterr()
+    summary, err = json.loads(captured.out), captured.err
+    assert summary["overall"]["episodes"] == 2
+    assert summary["overall"]["success_rate"] == pytest.approx(0.5)
+    for line, field in ((2, "not valid JSON"), (3, "status"), (4, "not a JSON object"),
+                        (5, "reward")):  # fmt: skip
+        assert re.search(rf"{re.escape(str(path))}:{line}: .*{field}", err), (line, err)
+    assert len(summary["problems"]) == 4
+
+
+def test_a_missing_run_dir_is_a_usage_error(tmp_path, capsys):
+    missing = tmp_path / "nope"
+    for main in (show_result.main, experiment_result_stats.main, view_trajectory.main,
+                 plot_run.main):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main([str(missing)])
+        assert exc.value.code == 2
+        assert f"{missing}: no such directory" in capsys.readouterr().err
+    a_file = tmp_path / "file"
+    a_file.write_text("x")
+    with pytest.raises(SystemExit) as exc:
+        compare_exp_result.main([str(a_file), str(a_file)])
+    assert exc.value.code == 2
+    assert f"{a_file}: not a directory" in capsys.readouterr().err
+
+
+def test_help_of_every_script(capsys):
+    for main in (show_result.main, experiment_result_stats.main, compare_exp_result.main,
+                 view_trajectory.main, plot_run.main):  # fmt: skip
+        with pytest.raises(SystemExit) as exc:
+            main(["--help"])
+        assert exc.value.code == 0
+        out = capsys.readouterr().out
+        assert "RUN_DIR" in out or "RUN_A" in out
+        assert "OSWorld" in out
+
+
+def test_a_later_line_for_the_same_episode_wins(tmp_path):
+    run = make_run(tmp_path, "dup", [Ep("os", "a", 0, "infra_error", None),
+                                     Ep("os", "a", 0, "success", 1.0)])  # fmt: skip
+    loaded = results_io.load_run(run)
+    assert [e.status for e in loaded.episodes] == ["success"]
+    assert "listed again" in str(loaded.problems[0])
+
+
+# --------------------------------------------------------------------------- stats, compare
+
+
+def test_experiment_stats_across_runs(run_a, run_b, tmp_path, capsys):
+    stats = _json_of(capsys, experiment_result_stats.main, [str(run_a), str(run_b), "--json"])
+    a, b = stats["runs"]
+    assert (a["run"], b["run"]) == ("run_a", "run_b")
+    # Run B: 10 scored episodes summing to 4.5; task means 1/3, 3/4, 2/3, 0, 0; 3 solved.
+    assert b["success_rate"] == pytest.approx(0.45)
+    assert b["avg_at_k"] == pytest.approx((1 / 3 + 0.75 + 2 / 3) / 5)
+    assert b["pass_at_k"] == pytest.approx(3 / 5)
+    assert b["infra_error"] == 1 and b["cancelled"] == 1
+    assert stats["mean"]["success_rate"] == pytest.approx(0.475)
+    assert stats["std"]["success_rate"] == pytest.approx(0.05 / math.sqrt(2))  # n - 1
+    assert stats["std"]["pass_at_k"] == pytest.approx(0.15 / math.sqrt(2))
+    # Tasks scored anywhere: t1..t6 (t5 only in B); solved somewhere: t1, t2, t3, t4.
+    assert stats["any_correct"] == {"rate": pytest.approx(4 / 6), "solved_tasks": 4, "tasks": 6}
+
+    out_csv = tmp_path / "stats.csv"
+    assert experiment_result_stats.main([str(run_a), str(run_b), "-o", str(out_csv)]) == 0
+    assert "any-correct rate: 66.7%" in capsys.readouterr().out
+    rows = {row["run"]: row for row in csv.DictReader(out_csv.read_text().splitlines())}
+    assert list(rows) == ["run_a", "run_b", "mean", "std", "pooled"]
+    assert float(rows["run_a"]["success_rate"]) == pytest.approx(0.5)
+    assert float(rows["std"]["success_rate"]) == pytest.approx(0.05 / math.sqrt(2))
+    assert float(rows["pooled"]["pass_at_k"]) == pytest.approx(4 / 6)
+    assert rows["run_a"]["infra_error"] == "3"
+
+
+def test_std_is_empty_for_a_single_run(run_a, capsys):
+    stats = _json_of(capsys, experiment_result_stats.main, [str(run_a), "--json"])
+    assert stats["mean"]["success_rate"] == pytest.approx(0.5)
+    assert stats["std"]["success_rate"] is None
+
+
+def test_compare_lists_the_differences_both_ways(run_a, run_b, tmp_path, capsys):
+    out = tmp_path / "changes.jsonl"
+    assert compare_exp_result.main([str(run_a), str(run_b), "-o", str(out)]) == 0
+    summary = capsys.readouterr().out
+    changes = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(c["change"], c["key"]) for c in changes] == [
+        ("a_better", "chrome/t1/0"),
+        ("b_better", "chrome/t2/0"),
+        ("status_changed", "chrome/t1/2"),
+        ("status_changed", "os/t5/1"),
+        ("only_in_a", "os/t4/0"),
+        ("only_in_a", "os/t4/1"),
+        ("only_in_b", "os/t6/0"),
+    ]
+    first = changes[0]
+    assert (first["reward_a"], first["reward_b"], first["delta"]) == (1.0, 0.0, -1.0)
+    assert first["domain"] == "chrome" and first["instruction"].startswith("Do the thing of t1")
+    assert (changes[2]["status_a"], changes[2]["status_b"]) == ("infra_error", "success")
+    assert changes[2]["delta"] is None
+    assert re.search(r"a_better\s*│\s*1", summary) and re.search(r"only_in_a\s*│\s*2", summary)
+
+
+def test_compare_per_task_to_csv_and_default_name(run_a, run_b, tmp_path, monkeypatch):
+    out = tmp_path / "tasks.csv"
+    assert compare_exp_result.main([str(run_a), str(run_b), "--by", "task", "-o", str(out)]) == 0
+    rows = list(csv.DictReader(out.read_text().splitlines()))
+    got = {(r["change"], r["key"]): r for r in rows}
+    # t1: mean 1/2 -> 1/3; t2: 1/4 -> 3/4; t5: unscored -> unsolved; t4 and t6 one-sided.
+    assert set(got) == {("a_better", "chrome/t1"), ("b_better", "chrome/t2"),
+                        ("status_changed", "os/t5"), ("only_in_a", "os/t4"),
+                        ("only_in_b", "os/t6")}  # fmt: skip
+    assert float(got[("b_better", "chrome/t2")]["delta"]) == pytest.approx(0.5)
+    assert got[("status_changed", "os/t5")]["status_a"] == "unscored"
+    monkeypatch.chdir(tmp_path)
+    assert compare_exp_result.main([str(run_a), str(run_b)]) == 0
+    assert len((tmp_path / "compare_run_a_vs_run_b.jsonl").read_text().splitlines()) == 7
+
+
+# --------------------------------------------------------------------------- viewer
+
+
+def _step_count(page: str) -> int:
+    return len(re.findall(r'<section class="step"', page))
+
+
+def test_viewer_pages_links_images_and_escaping(run_a, tmp_path):
+    out = tmp_path / "view"
+    assert view_trajectory.main([str(run_a), "--out", str(out)]) == 0
+    index = (out / "index.html").read_text()
+    assert len(re.findall(r'href="episodes/[^"]+\.html"', index)) == len(RUN_A)
+    assert index.count("<tr data-task=") == 5
+    page = (out / "episodes" / "chrome__t2__1.html").read_text()
+    assert _step_count(page) == 15
+    # Escaped text: no markup from the trajectory reaches the page.
+    assert "<script>alert(1)" not in page and "&lt;script&gt;alert(1)" in page
+    assert "<b>not bold</b>" not in page
+    # No URL anywhere: images are relative paths to files placed in the output dir.
+    for html_file in out.rglob("*.html"):
+        assert not re.search(r"(src|href)=\"(https?:|//|/)", html_file.read_text())
+    for src in re.findall(r'<img src="([^"]+)"', page):
+        placed = out / "episodes" / src
+        assert placed.is_file()
+        assert placed.stat().st_ino == (run_a / "chrome/t2/1" / placed.name).stat().st_ino
+    assert 'loading="lazy"' in page and "base64" not in page
+    # Step 1 saw step_0.png and clicked (300, 200); step 2 dragged (200, 500) -> (900, 300).
+    step1, step2 = page.split('<section class="step"')[1:3]
+    assert 'src="chrome__t2__1/step_0.png"' in step1
+    assert 'viewBox="0 0 1280 720"' in step1
+    assert re.search(r'<circle cx="300.0" cy="200.0"[^>]*class="click-point"', step1)
+    assert re.search(r'<line x1="200.0" y1="500.0" x2="900.0" y2="300.0"', step2)
+
+
+def test_viewer_one_task_and_default_out_dir(run_a, capsys):
+    assert view_trajectory.main([str(run_a), "--task", "gimp/t3"]) == 0
+    pages = sorted(p.name for p in (run_a / "viewer" / "episodes").glob("*.html"))
+    assert pages == ["gimp__t3__0.html", "gimp__t3__1.html", "gimp__t3__2.html"]
+    with pytest.raises(SystemExit) as exc:
+        view_trajectory.main([str(run_a), "--task", "nope"])
+    assert exc.value.code == 2
+    assert "--task nope" in capsys.readouterr().err
+
+
+def test_viewer_on_an_osworld_run_falls_back_to_the_previous_screenshot(tmp_path):
+    run = make_osworld_run(tmp_path)
+    out = tmp_path / "view"
+    assert view_trajectory.main([str(run), "--out", str(out)]) == 0
+    page = (out / "episodes" / "chrome__a__0.html").read_text()
+    assert _step_count(page) == 3
+    assert "screenshot not found: step_0.png" in page  # OSWorld saves no first screen
+    assert 'src="chrome__a__0/step_1_20250101@000001000000.png"' in page
+
+
+class _Chromium:
+    """Headless Chromium on file:// pages; each call is one browser process of ours."""
+
+    def __init__(self, profile: Path):
+        exe = shutil.which("chromium")
+        if exe is None:
+            unavailable("chromium is not installed")
+        self.exe = exe
+        self.profile = profile
+
+    def run(self, *args: str, timeout_s: float = 90) -> tuple[str, str]:
+        cmd = [
+            self.exe, "--headless", "--disable-gpu", "--no-sandbox", "--hide-scrollbars",
+            "--enable-logging=stderr", "--v=0", f"--user-data-dir={self.profile}", *args,
+        ]  # fmt: skip
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                text=True, start_new_session=True)  # fmt: skip
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        finally:
+            # The browser's helpers (zygote, renderers) share its new session: end ours only.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+        assert proc.returncode == 0, err[-2000:]
+        return out, err
+
+    @staticmethod
+    def console(err: str) -> list[str]:
+        """The page's console lines (any level) and uncaught errors in the browser log."""
+        return [line for line in err.splitlines() if ":CONSOLE" in line or "Uncaught" in line]
+
+
+@pytest.mark.integration
+def test_viewer_in_headless_chromium(run_a, tmp_path):
+    browser = _Chromium(tmp_path / "profile")
+    out = tmp_path / "view"
+    assert view_trajectory.main([str(run_a), "--out", str(out)]) == 0
+
+    # The harness sees a script error when there is one.
+    broken = tmp_path / "broken.html"
+    broken.write_text("<!DOCTYPE html><p>x</p><script>undefinedFunction();</script>")
+    _, err = browser.run("--dump-dom", broken.as_uri())
+    assert any("Uncaught ReferenceError" in line for line in browser.console(err))
+
+    page = out / "episodes" / "chrome__t2__1.html"
+    dom, err = browser.run("--dump-dom", page.as_uri())
+    assert browser.console(err) == []
+    assert _step_count(dom) == 15
+    assert dom.count('class="click-point"') == 3  # steps 1, 6, 11 of the 5-action cycle
+
+    def rows(dom: str) -> list[str]:
+        return re.findall(r'<tr data-task="([^"]+)"', dom)
+
+    index = (out / "index.html").as_uri()
+    dom, err = browser.run("--dump-dom", index)
+    assert browser.console(err) == []
+    assert rows(dom) == ["chrome/t1", "chrome/t2", "gimp/t3", "os/t4", "os/t5"]
+    # #sort=... clicks the header once or twice; task means t3 2/3, t1 1/2, t4 1/2, t2 1/4,
+    # t5 none (last either way); ties keep their order.
+    dom, err = browser.run("--dump-dom", index + "#sort=reward:desc")
+    assert browser.console(err) == []
+    assert rows(dom) == ["gimp/t3", "chrome/t1", "os/t4", "chrome/t2", "os/t5"]
+    assert re.search(r'data-col="reward"[^>]*data-dir="desc"', dom)
+    dom, _ = browser.run("--dump-dom", index + "#sort=reward")
+    assert rows(dom) == ["chrome/t2", "chrome/t1", "os/t4", "gimp/t3", "os/t5"]
+    dom, _ = browser.run("--dump-dom", index + "#sort=task:desc")
+    assert rows(dom) == ["os/t5", "os/t4", "gimp/t3", "chrome/t2", "chrome/t1"]
+
+    shot = tmp_path / "episode.png"
+    browser.run("--screenshot=" + str(shot), "--window-size=1280,2000", page.as_uri())
+    with Image.open(shot) as image:
+        assert image.size == (1280, 2000)
+
+
+# --------------------------------------------------------------------------- plots
+
+
+def test_plots_from_metrics_results_and_trajectories(run_a, tmp_path, capsys):
+    out = tmp_path / "plots"
+    assert plot_run.main([str(run_a), "--out", str(out)]) == 0
+    for name in plot_run.PLOTS:
+        with Image.open(out / f"{name}.png") as image:
+            assert image.format == "PNG" and image.size[0] >= 600
+    model_s, env_s, problems = plot_run.step_latencies(results_io.load_run(run_a))
+    assert len(model_s) == len(env_s) == sum(e.steps for e in RUN_A) and problems == []
+
+
+def test_plots_without_metrics_skip_only_the_timeline(run_a, tmp_path, capsys):
+    (run_a / "metrics.jsonl").unlink()
+    assert plot_run.main([str(run_a)]) == 0
+    captured = capsys.readouterr()
+    assert "metrics.jsonl: missing, skipping progress and desktops plots" in captured.err
+    made = sorted(p.name for p in (run_a / "plots").iterdir())
+    assert made == ["latency.png", "success_by_domain.png"]
+
+
+# --------------------------------------------------------------------------- the CLIs
+
+
+def _cli(script: str, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, str(SCRIPTS / script), *args],
+        cwd=cwd, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+
+
+def test_every_script_runs_as_a_command_from_another_cwd(run_a, run_b, tmp_path):
+    # Relative run paths from a directory that is not the repository.
+    shown = _cli("show_result.py", "run_a", "--json", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    assert json.loads(shown.stdout)["overall"]["success_rate"] == pytest.approx(0.5)
+    stats = _cli("experiment_result_stats.py", "run_a", "run_b", "-o", "s.csv", cwd=tmp_path)
+    assert stats.returncode == 0, stats.stderr
+    assert (tmp_path / "s.csv").is_file() and "any-correct rate: 66.7%" in stats.stdout
+    compared = _cli("compare_exp_result.py", "run_a", "run_b", cwd=tmp_path)
+    assert compared.returncode == 0, compared.stderr
+    assert len((tmp_path / "compare_run_a_vs_run_b.jsonl").read_text().splitlines()) == 7
+    viewed = _cli("view_trajectory.py", "run_a", cwd=tmp_path)
+    assert viewed.returncode == 0, viewed.stderr
+    assert (run_a / "viewer" / "index.html").is_file()
+    plotted = _cli("plot_run.py", "run_a", "--out", "p", cwd=tmp_path)
+    assert plotted.returncode == 0, plotted.stderr
+    assert len(list((tmp_path / "p").glob("*.png"))) == len(plot_run.PLOTS)
+    missing = _cli("show_result.py", "no_such_run", cwd=tmp_path)
+    assert missing.returncode == 2
+    assert missing.stderr.strip() == "show_result.py: error: no_such_run: no such directory"
+
+
+def test_the_scripts_import_neither_ray_nor_matplotlib_up_front(tmp_path):
+    names = ", ".join(Path(s).stem for s in ALL_SCRIPTS)
+    code = (
+        f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import {names}; "
+        "print(sorted(m for m in ('ray', 'matplotlib') if m in sys.modules))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                          text=True, timeout=60)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"
