@@ -57,6 +57,7 @@ class RoutingSetup:
     warmup_s: float          # run before measuring, so every slot is mid-episode
     env_step: Latency = ENV_STEP
     model: ModelSim = MODEL
+    pools: int = 1           # ModelServicePools the episodes share out, as runner processes do
     seed: int = 0
 
 
@@ -109,13 +110,14 @@ async def _drive(
         request_timeout_s=120, max_connections_per_endpoint=setup.episodes,
         sampling=SamplingConfig(max_tokens=500),
     )
-    pool = ModelServicePool(cfg)
+    # Each runner process has its own pool, which sees only its own requests in flight.
+    pools = [ModelServicePool(cfg) for _ in range(setup.pools)]
     records: list[_Record] = []
     next_episode = itertools.count()
     finished = 0
     rng = random.Random(setup.seed)
 
-    async def episode(index: int) -> None:
+    async def episode(index: int, pool: ModelServicePool) -> None:
         nonlocal finished
         instruction, session = f"sim task {index}", f"ep-{index}"
         history: list[Turn] = []
@@ -134,12 +136,12 @@ async def _drive(
         finally:
             pool.end_session(session)
 
-    async def slot() -> None:
+    async def slot(pool: ModelServicePool) -> None:
         while True:
-            await episode(next(next_episode))
+            await episode(next(next_episode), pool)
 
     start = time.monotonic()
-    tasks = [asyncio.create_task(slot()) for _ in range(setup.episodes)]
+    tasks = [asyncio.create_task(slot(pools[k % len(pools)])) for k in range(setup.episodes)]
     try:
         done, _ = await asyncio.wait(tasks, timeout=setup.warmup_s + setup.duration_s,
                                      return_when=asyncio.FIRST_EXCEPTION)
@@ -149,7 +151,8 @@ async def _drive(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        await pool.close()
+        for pool in pools:
+            await pool.close()
     measured_from = start + setup.warmup_s
     return [r for r in records if r.done_at >= measured_from], finished
 
@@ -205,6 +208,7 @@ def _row(policy: str, urls: list[str], records: list[_Record], episodes_done: in
         "episodes_finished": episodes_done,
         "client_cpu_ms_per_request": round(1000 * client_cpu_s / max(1, total), 2),
         "episodes_in_flight": setup.episodes,
+        "pools": setup.pools,
     }
 
 
@@ -250,19 +254,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="64 episodes, 7 s per policy")
     parser.add_argument("--episodes", type=int, help="episodes in flight (default 128)")
     parser.add_argument("--duration-s", type=float, help="measured seconds per policy (20)")
+    parser.add_argument("--pools", type=int, help="model clients sharing the episodes, as "
+                        "runner processes would (default 1)")
     parser.add_argument("--policies", nargs="+", choices=POLICIES, default=list(POLICIES))
     parser.add_argument("--json", action="store_true", help="print the rows as JSON")
     args = parser.parse_args(argv)
     setup = QUICK if args.quick else FULL
-    if args.episodes or args.duration_s:
-        setup = dataclasses.replace(setup, episodes=args.episodes or setup.episodes,
-                        duration_s=args.duration_s or setup.duration_s)
+    setup = dataclasses.replace(
+        setup, episodes=args.episodes or setup.episodes,
+        duration_s=args.duration_s or setup.duration_s, pools=args.pools or setup.pools,
+    )
     rows = run_routing_benchmark(setup=setup, policies=tuple(args.policies))
     if args.json:
         print(json.dumps(rows, indent=1))
     else:
-        print(f"{setup.episodes} episodes in flight, {setup.duration_s:.0f} s per policy, "
-              f"endpoint speed factors {list(setup.model.speed_factors)}")
+        print(f"{setup.episodes} episodes in flight over {setup.pools} model client(s), "
+              f"{setup.duration_s:.0f} s per policy, endpoint speed factors "
+              f"{list(setup.model.speed_factors)}")
         print(_table(rows))
         print("share: requests per endpoint, in speed-factor order; max/min and cv: spread of "
               "those counts;\nsticky: an episode's next request on the same endpoint; cache: "

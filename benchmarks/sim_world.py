@@ -364,7 +364,16 @@ class _Reply(NamedTuple):
 
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 431: b"Too Large",
             500: b"Internal Server Error"}
-Handler = Callable[[bytes, bytes, bytes | bytearray], _Reply]
+
+
+class _App:
+    """What a connection serves: ``app(method, path, body) -> _Reply``, and a count of the
+    connections made to it (a client that does not keep its connections alive shows)."""
+
+    connections = 0
+
+    def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
+        raise NotImplementedError
 
 
 _HEAD_MAX_BYTES = 64 * 1024  # request line and headers; the bodies go elsewhere
@@ -380,8 +389,8 @@ class _Connection(asyncio.BufferedProtocol):
     a delayed earlier one. No chunked request bodies (httpx sends Content-Length).
     """
 
-    def __init__(self, handler: Handler) -> None:
-        self._handler = handler
+    def __init__(self, app: _App) -> None:
+        self._app = app
         self._transport: asyncio.Transport | None = None
         self._head = bytearray(_HEAD_MAX_BYTES)
         self._filled = 0                          # bytes of _head holding unparsed input
@@ -391,6 +400,7 @@ class _Connection(asyncio.BufferedProtocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = transport  # type: ignore[assignment]
+        self._app.connections += 1
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._transport = None
@@ -440,7 +450,7 @@ class _Connection(asyncio.BufferedProtocol):
     def _dispatch(self, method: bytes, path: bytes, keep_alive: bool,
                   body: bytes | bytearray) -> None:
         try:
-            reply = self._handler(method, path, body)
+            reply = self._app(method, path, body)
         except Exception as exc:  # a bug or a bad body: answered as the real servers do
             reply = _Reply(500, json.dumps({"status": "error", "message": repr(exc)}).encode())
         if reply.delay_s > 0:
@@ -509,7 +519,7 @@ _RUN_PYTHON_OK = (
 )
 
 
-class _DesktopsApp:
+class _DesktopsApp(_App):
     """Desktops ``worker, worker + workers, ...`` of ``count``, under ``/d/<index>/...``."""
 
     def __init__(self, cfg: DesktopSim, count: int, worker: int, workers: int,
@@ -523,12 +533,13 @@ class _DesktopsApp:
         w, h = cfg.screen_width, cfg.screen_height
         self._screen_size = json.dumps({"width": w, "height": h}).encode()
         self._cursor = json.dumps([w // 2, h // 2]).encode()
+        self.busy = [0] * count  # exclusive requests in flight per desktop (state, not a stat)
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.counts = {k: [0] * self.count for k in DESKTOP_KINDS}
-        self.busy = [0] * self.count          # exclusive requests in flight per desktop
         self.overlaps = [0] * self.count      # exclusive requests that met another one
+        self.connections = 0
         self.bytes_sent = 0
         self.started_at = time.monotonic()
 
@@ -545,6 +556,7 @@ class _DesktopsApp:
             "per_desktop": {i: c for i, c in per_desktop.items() if c},
             "overlaps_per_desktop": {str(i): self.overlaps[i] for i in mine if self.overlaps[i]},
             "bytes_sent": self.bytes_sent,
+            "connections": self.connections,
             "elapsed_s": time.monotonic() - self.started_at,
         }
 
@@ -620,7 +632,7 @@ class _DesktopsApp:
 # --------------------------------------------------------------------------- model servers
 
 
-class _ModelApp:
+class _ModelApp(_App):
     """One OpenAI-compatible server of the sim (``index`` picks its speed factor)."""
 
     def __init__(self, cfg: ModelSim, index: int) -> None:
@@ -632,12 +644,13 @@ class _ModelApp:
         self._models = json.dumps({"object": "list", "data": [
             {"id": cfg.model, "object": "model", "owned_by": "sim", "max_model_len": 65536}
         ]}).encode()
+        self.in_flight = 0  # state, not a stat: requests answered after a reset still leave
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.requests = 0
-        self.in_flight = 0
-        self.max_in_flight = 0
+        self.max_in_flight = self.in_flight
+        self.connections = 0
         self.finished = 0
         self.full_parses = 0
         self.prompt_tokens = 0
@@ -653,6 +666,7 @@ class _ModelApp:
             "index": self.index, "speed_factor": self.speed_factor, "requests": self.requests,
             "in_flight": self.in_flight, "max_in_flight": self.max_in_flight,
             "finished": self.finished, "full_parses": self.full_parses,
+            "connections": self.connections,
             "prompt_tokens": self.prompt_tokens, "cached_tokens": self.cached_tokens,
             "completion_tokens": self.completion_tokens,
             "service_s": round(self.service_s, 3),
@@ -753,7 +767,7 @@ class _ModelApp:
 async def _serve(spec: dict[str, Any]) -> None:
     loop = asyncio.get_running_loop()
     role = spec["role"]
-    apps: list[Handler]
+    apps: list[_App]
     if role == "desktops":
         shots = [p.read_bytes() for p in sorted(Path(spec["screenshots_dir"]).glob("*.png"))]
         cfg = _from_dict(DesktopSim, spec["desktop"])
@@ -1033,6 +1047,7 @@ def _merge_desktop_stats(parts: list[dict[str, Any]]) -> dict[str, Any]:
         "requests": sum(totals.values()),
         "overlaps": sum(p["overlaps"] for p in parts),
         "bytes_sent": sum(p["bytes_sent"] for p in parts),
+        "connections": sum(p["connections"] for p in parts),
         "per_desktop": per_desktop,
         "overlaps_per_desktop": overlaps_per,
     }
