@@ -11,9 +11,10 @@ are not counted as the measured run's.
         cfg.model.endpoints = world.model_urls
         ...; world.stats(); world.cpu_s()
 
-The servers are a few hundred lines of plain asyncio + httptools on uvloop (no framework):
-a screenshot costs a table lookup and a socket write, a 3 MB chat request a handful of
-byte searches, never a JSON parse of the images. ``python benchmarks/sim_world.py measure``
+The servers are plain asyncio protocols on uvloop with a hand-written HTTP/1.1 parser (no
+framework): a screenshot costs a table lookup and a socket write, a 3 MB chat request is
+read by the kernel straight into one buffer and costs a handful of byte searches, never a
+JSON parse of the images. ``python benchmarks/sim_world.py measure``
 prints their CPU per request and the rate one process sustains.
 """
 
@@ -376,7 +377,7 @@ class _App:
         raise NotImplementedError
 
 
-_HEAD_MAX_BYTES = 64 * 1024  # request line and headers; the bodies go elsewhere
+_HEAD_MAX_BYTES = 16 * 1024  # request line and headers (bodies go elsewhere); per connection
 
 
 class _Connection(asyncio.BufferedProtocol):
@@ -1191,6 +1192,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
                 results["screenshot_kb"] = round(
                     sent["bytes_sent"] / 1024 / max(1, sent["totals"]["screenshot"]), 1)
         results["chat_body_kb"] = round(len(chat) / 1024)
+        results["processes"] = world.processes()
         results["setup"] = {"desktops": args.desktops, "desktop_workers": args.desktop_workers,
                             "connections": args.connections, "seconds": args.seconds}
     return results
