@@ -22,6 +22,7 @@ import sys
 import time
 from collections import Counter, defaultdict
 from contextlib import ExitStack
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -283,7 +284,8 @@ def print_summary(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any
     if by_domain:
         table.add_section()
         row("all", records)
-    Console(stderr=False).print(table)
+    # Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns.
+    Console(width=None if sys.stdout.isatty() else 110).print(table)
     summary["statuses"] = dict(Counter(str(r.get("status")) for r in records))
     return summary
 
@@ -306,7 +308,20 @@ class _Interrupts:
             print("\ncancelling running episodes", file=sys.stderr, flush=True)
 
 
-def run(cfg: Config) -> int:
+@dataclass
+class Actors:
+    """The run's long-lived actors (handles)."""
+
+    storage: Any
+    pool: Any
+    coordinator: Any
+
+
+def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
+                 run_info: dict[str, Any]) -> tuple[Actors, dict[str, Any]]:
+    """Storage, desktop pool and coordinator on this node (local desktops have loopback
+    URLs); runners are started by the coordinator, spread over the cluster. Returns the
+    actors and what the storage repaired in results.jsonl. Ray must be initialised."""
     import ray
     import ray.util.scheduling_strategies
 
@@ -314,67 +329,88 @@ def run(cfg: Config) -> int:
     from env_k8s import DesktopPool
     from storage_actor import StorageActor
 
+    node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)
+    # Every episode may have a lease, a storage write and a statistics call waiting at once.
+    concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
+    storage = ray.remote(StorageActor).options(
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+    ).remote(str(run_dir), cfg.storage)
+    repaired = ray.get(storage.start_run.remote(run_info), timeout=_CALL_TIMEOUT_S)
+    pool = ray.remote(DesktopPool).options(
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+    ).remote(cfg.desktops)
+    actors = Actors(storage, pool, None)
+    started = time.monotonic()
+    try:
+        pool_stats = ray.get(pool.start.remote(), timeout=cfg.desktops.reset_timeout_s
+                             + cfg.desktops.local.start_timeout_s * 2)
+    except Exception as exc:
+        stop_actors(actors, "failed", None)
+        raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
+    log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
+    actors.coordinator = ray.remote(AgentCoordinator).options(
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+    ).remote(cfg, pool, storage, model_state_dir)
+    ray.get(actors.coordinator.start.remote(), timeout=_CALL_TIMEOUT_S)
+    return actors, repaired
+
+
+def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> None:
+    """Runners first, then the desktops, then the storage is flushed and run.json closed;
+    each step runs even when an earlier one fails."""
+    import ray
+
+    steps: list[tuple[str, Any, float]] = []
+    if actors.coordinator is not None:
+        steps.append(("stopping the runners", actors.coordinator.shutdown, _CALL_TIMEOUT_S))
+    steps.append(("stopping the desktops", actors.pool.stop, _CALL_TIMEOUT_S + 60))
+    for what, method, timeout_s in steps:
+        try:
+            ray.get(method.remote(), timeout=timeout_s)
+        except Exception as exc:  # the run's files must still be closed
+            log.error("%s failed: %s", what, _cause(exc))
+    ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
+
+
+def run(cfg: Config) -> int:
+    import ray
+
     cfg = _absolute_paths(cfg)
     run_dir = cfg.run_dir.resolve()
     run_dir.mkdir(parents=True, exist_ok=True)
     interrupts = _Interrupts()
     previous = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
+    status = "failed"
     with ExitStack() as stack:
         for sig, handler in previous.items():
             stack.callback(signal.signal, sig, handler)
-        started_cluster = _start_ray(cfg)
-        if started_cluster:
+        # What can be checked without Ray fails first: the task source, the model endpoints.
+        TaskLoader(cfg.tasks, run_dir)
+        model_state_dir = None
+        if not cfg.model.scripted:
+            if cfg.model.endpoints:
+                _probe_endpoints(cfg)
+            model_state_dir = _model_state_dir(cfg)
+        if _start_ray(cfg):
             stack.callback(ray.shutdown)
-        context = ray.get_runtime_context()
         if cfg.model.scripted:
             url = _scripted_endpoint(cfg, stack)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
                 update={"endpoints": [url]})})
-        elif cfg.model.endpoints:
-            _probe_endpoints(cfg)
-        model_state_dir = _model_state_dir(cfg)
-        loader = TaskLoader(cfg.tasks, run_dir)  # a broken task source fails here, early
-
-        node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-            context.get_node_id(), soft=False)
-        concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
-        storage = ray.remote(StorageActor).options(
-            name=None, num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-        ).remote(str(run_dir), cfg.storage)
-        repaired = ray.get(storage.start_run.remote({
+        actors, _ = start_actors(cfg, run_dir, model_state_dir, {
             "run": cfg.run.name, "config": cfg.model_dump(mode="json"),
             "versions": _versions(), "host": platform.node(), "command": sys.argv,
-        }), timeout=_CALL_TIMEOUT_S)
-        if repaired["results_tail_cut_bytes"]:
-            loader = TaskLoader(cfg.tasks, run_dir)
-        # Local desktops live on this node (their URLs are loopback addresses).
-        pool = ray.remote(DesktopPool).options(
-            num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-        ).remote(cfg.desktops)
-        status = "failed"
+        })
+        # Read results.jsonl after the storage repaired a line a crash may have cut.
+        loader = TaskLoader(cfg.tasks, run_dir)
+        summary = None
         try:
-            started = time.monotonic()
-            try:
-                pool_stats = ray.get(pool.start.remote(), timeout=cfg.desktops.reset_timeout_s
-                                     + cfg.desktops.local.start_timeout_s * 2)
-            except Exception as exc:
-                raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
-            log.info("%d desktops ready in %.1fs", pool_stats["free"],
-                     time.monotonic() - started)
-            coordinator = ray.remote(AgentCoordinator).options(
-                num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-            ).remote(cfg, pool, storage, model_state_dir)
-            ray.get(coordinator.start.remote(), timeout=_CALL_TIMEOUT_S)
-            status = _main_loop(cfg, loader, coordinator, interrupts)
-            ray.get(coordinator.shutdown.remote(), timeout=_CALL_TIMEOUT_S)
+            status = _main_loop(cfg, loader, actors.coordinator, interrupts)
         finally:
-            try:
-                ray.get(pool.stop.remote(), timeout=cfg.desktops.reset_timeout_s + 30)
-            except Exception as exc:  # the run's result must still be written
-                log.error("stopping the desktops failed: %s", _cause(exc))
-            records = read_results(run_dir)
-            summary = print_summary(run_dir, records) if status != "failed" else None
-            ray.get(storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
+            if status != "failed":
+                summary = print_summary(run_dir, read_results(run_dir))
+            stop_actors(actors, status, summary)
     problems = loader.problems
     if problems:
         print(f"{len(problems)} task(s) could not be loaded:", file=sys.stderr)
@@ -389,7 +425,7 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
 
     service = cfg.tasks.poll_interval_s > 0
     next_task_poll = 0.0
-    done_before = loader.finished_before()
+    done_before: int | None = None
     done = 0
     progress: _Progress | None = None
     drained = cancelled = False
@@ -406,6 +442,8 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                 if specs:
                     ray.get(coordinator.submit.remote(specs), timeout=_CALL_TIMEOUT_S)
                 next_task_poll = time.monotonic() + (cfg.tasks.poll_interval_s or 1e9)
+                if done_before is None:  # known once the loader has read the task source
+                    done_before = loader.finished_before()
             out = ray.get(coordinator.poll.remote(), timeout=_CALL_TIMEOUT_S)
             for record in out["finished"]:
                 done += 1
@@ -414,16 +452,19 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                                      ("success", "failure", "max_steps", "timeout") else None)
             stats = out["stats"]
             total = loader.total_known()
+            before = done_before or 0
             if progress is None:
-                progress = _Progress(cfg.monitoring.progress_bar, total, done_before)
+                progress = _Progress(cfg.monitoring.progress_bar, total, before)
             note = "draining" if drained and not cancelled else ("cancelling" if cancelled
                                                                  else "")
-            progress.update(done_before + done, total, stats, note)
+            progress.update(before + done, total, stats, note)
             idle = stats["episodes_in_flight"] == 0 and (
                 drained or stats["episodes_queued"] == 0)
             if idle and drained:
                 return "interrupted"
-            if idle and not service and loader.total_known() <= done_before + done:
+            # Everything was submitted at the first poll (retries wait in the coordinator's
+            # queue), so once nothing is queued or running the run is complete.
+            if idle and not service and done_before is not None and not drained:
                 return "finished"
             time.sleep(_POLL_INTERVAL_S)
     finally:
@@ -446,7 +487,10 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return run(cfg)
-    except (FatalSetupError, ConfigError, ModelUnavailable, InfraError) as exc:
+    except ConfigError as exc:
+        print(f"run.py: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    except (FatalSetupError, ModelUnavailable, InfraError) as exc:
         print(f"run.py: error: {exc}", file=sys.stderr)
         return EXIT_FATAL
 

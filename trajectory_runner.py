@@ -147,6 +147,7 @@ class _Episode:
                        "evaluation_s": 0.0, "lease_wait_s": 0.0}
         self.last_messages: list[dict[str, Any]] | None = None
         self.reset_done = False
+        self.held_record: dict[str, Any] | None = None
         self._pending_write: Awaitable[Any] | None = None
 
     # ----------------------------------------------------------------- storage
@@ -301,13 +302,17 @@ class _Episode:
                 self.timing[key] += timing[key]
             self.r.step_done(timing)
             record["done"] = ended
+            # A step's line is written with the next step's screenshot (or at the end, when
+            # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
+            previous, self.held_record = self.held_record, record
             if ended:
                 self.last_action = terminal
-                await self._store("write_step", record, None, None)
+                if previous is not None:
+                    await self._store("write_step", previous, None, None)
                 return "failure"  # scored by the evaluator next
             name = f"step_{step}.png" if cfg.runner.save_screenshots else None
             record["screenshot_file"] = name
-            await self._store("write_step", record, shot.png if name else None, name)
+            await self._store("write_step", previous, shot.png if name else None, name)
             self._remember(shot, name)
         return "max_steps"
 
@@ -408,6 +413,10 @@ class _Episode:
             if lease is not None:
                 await _call(self.r.desktop_pool, "release", lease.lease_id, healthy)
             if self.desktop is not None:  # the episode's directory exists
+                if self.held_record is not None:
+                    last, self.held_record = self.held_record, None
+                    last.update(done=True, reward=reward)
+                    await self._store("write_step", last, None, None)
                 await self._store("finish_episode", result.record(), self._messages_for_disk())
                 await self._store_done()
         except Exception as exc:

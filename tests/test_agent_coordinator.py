@@ -1,0 +1,223 @@
+"""The coordinator, runners, storage and desktop pool as real Ray actors on real local
+desktops (the demo tasks, the scripted policy over HTTP): faults are injected while episodes
+run, and a 2-node cluster from ray.cluster_utils spreads runners over both nodes."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import psutil
+import pytest
+import ray
+
+from config import Config, load_config
+from run import Actors, start_actors, stop_actors
+from scripted_policy import ScriptedPolicy, ThreadedServer, create_app, load_solutions
+from task_loader import TaskLoader
+from tests.fakes.openai_server import FakeOpenAIServer
+
+ROOT = Path(__file__).resolve().parent.parent
+DEMO = ROOT / "configs" / "demo.yaml"
+SUITE = ROOT / "tasks" / "demo"
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+
+def _ray_env() -> None:
+    # Workers of clusters started here import the project from the repository.
+    paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+
+
+@pytest.fixture(scope="module")
+def local_ray() -> Iterator[None]:
+    _ray_env()
+    ray.init(num_cpus=4, include_dashboard=False, namespace="test-coordinator",
+             logging_level="WARNING")
+    try:
+        yield
+    finally:
+        ray.shutdown()
+
+
+def _config(tmp: Path, endpoint: str, task_ids: list[str], **overrides: Any) -> Config:
+    sets = [
+        f"run.output_dir={tmp / 'results'}",
+        f"desktops.local.state_dir={tmp / 'desktops'}",
+        f"tasks.source={SUITE / 'test_all.json'}",
+        f"tasks.task_ids={json.dumps(task_ids)}",
+        "tasks.rollouts_per_task=1",
+        "model.scripted=false",
+        f"model.endpoints={json.dumps([endpoint])}",
+        "model.retries=1",
+        "monitoring.metrics_interval_s=1",
+        *(f"{k}={v}" for k, v in overrides.items()),
+    ]
+    return load_config(DEMO, sets)
+
+
+@contextmanager
+def _rollout(cfg: Config) -> Iterator[tuple[Actors, TaskLoader]]:
+    run_dir = cfg.run_dir
+    actors, _ = start_actors(cfg, run_dir, None, {"run": cfg.run.name})
+    try:
+        yield actors, TaskLoader(cfg.tasks, run_dir)
+    finally:
+        stop_actors(actors, "finished", None)
+
+
+def _scripted(latency_s: float = 0.0) -> ThreadedServer:
+    policy = ScriptedPolicy(load_solutions([SUITE]), screen=(1280, 720))
+    return ThreadedServer(create_app(policy, latency_s=latency_s))
+
+
+def _wait(actors: Actors, timeout_s: float = 240) -> dict[str, Any]:
+    assert ray.get(actors.coordinator.wait_idle.remote(timeout_s)), "episodes did not finish"
+    return ray.get(actors.coordinator.stats.remote())
+
+
+def _until(predicate: Any, timeout_s: float, what: str) -> Any:
+    deadline = time.monotonic() + timeout_s
+    while not (value := predicate()):
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+    return value
+
+
+def _results(cfg: Config) -> list[dict[str, Any]]:
+    path = cfg.run_dir / "results.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def _traj(cfg: Config, episode_id: str) -> list[dict[str, Any]]:
+    path = cfg.run_dir / episode_id / "traj.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+@pytest.fixture
+def tmp() -> Iterator[Path]:
+    path = Path(tempfile.mkdtemp(prefix="coordinator-"))
+    try:
+        yield path
+    finally:
+        shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_killed_runner_is_replaced_and_its_episodes_complete(local_ray, tmp):
+    with _scripted(latency_s=0.4) as model:
+        cfg = _config(tmp, model.url, ["calc-add", "editor-replace-all"],
+                      **{"coordinator.episodes_per_runner": 2})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _until(lambda: ray.get(actors.coordinator.stats.remote()).get("steps", 0) >= 2,
+                   60, "the first steps")
+            [runner] = ray.get(actors.coordinator.runner_handles.remote())
+            ray.kill(runner, no_restart=True)
+            stats = _wait(actors)
+    results = _results(cfg)
+    assert sorted(r["task_id"] for r in results) == ["calc-add", "editor-replace-all"]
+    assert {r["status"] for r in results} == {"success"}
+    assert {r["attempt"] for r in results} == {1}
+    assert stats["runners_replaced"] == 1 and stats["retries"] == 2
+    for r in results:
+        steps = _traj(cfg, r["episode_id"])
+        # The restarted attempt's files only: steps 1..n once, the last one carrying the reward.
+        assert [s["step_num"] for s in steps] == list(range(1, r["steps"] + 1))
+        assert steps[-1]["done"] and steps[-1]["reward"] == 1.0
+
+
+def test_a_killed_desktop_server_is_an_infra_error_retried_on_another_desktop(local_ray, tmp):
+    with _scripted(latency_s=0.4) as model:
+        cfg = _config(tmp, model.url, ["editor-replace-all"],
+                      **{"desktops.retries": 0, "desktops.request_timeout_s": 5})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+
+            def leased() -> dict[str, Any] | None:
+                stats = ray.get(actors.pool.stats.remote())
+                busy = [d for d in stats["desktops"] if d["state"] == "leased"]
+                steps = ray.get(actors.coordinator.stats.remote()).get("steps", 0)
+                return busy[0] if busy and steps >= 1 else None
+
+            desktop = _until(leased, 60, "a leased desktop")
+            port = int(desktop["url"].rsplit(":", 1)[1])
+            [server] = [c.pid for c in psutil.net_connections("tcp")
+                        if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN]
+            psutil.Process(server).kill()  # the desktop's own server: started by this test
+            _wait(actors)
+            pool = ray.get(actors.pool.stats.remote())
+    [result] = _results(cfg)
+    assert result["status"] == "success" and result["attempt"] == 1
+    assert result["desktops_tried"][0] == desktop["id"]
+    assert result["desktop"] != desktop["id"]
+    assert pool["reset_failures"] + pool["quarantined"] >= 1
+
+
+def test_a_model_replying_garbage_takes_the_parse_failure_path(local_ray, tmp):
+    with FakeOpenAIServer(reply=lambda body: "I would rather not use your format.") as model:
+        cfg = _config(tmp, model.url, ["terminal-hello-file", "terminal-wifi-infeasible"],
+                      **{"runner.max_parse_retries": 2})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _wait(actors)
+    results = {r["task_id"]: r for r in _results(cfg)}
+    for r in results.values():
+        assert r["parse_failures"] == 3 and r["last_action"] == "FAIL" and r["steps"] == 1
+        [step] = _traj(cfg, r["episode_id"])
+        assert step["action"] == "FAIL" and step["parse_retries"] == 2 and step["done"]
+    # Giving up is what the UI-TARS agents do: it fails a feasible task and, as OSWorld
+    # scores it, solves an infeasible one.
+    assert results["terminal-hello-file"]["status"] == "failure"
+    assert results["terminal-hello-file"]["reward"] == 0.0
+    assert results["terminal-wifi-infeasible"]["status"] == "success"
+
+
+def test_batch_schedule_starts_the_next_batch_only_after_the_whole_batch(local_ray, tmp):
+    with _scripted() as model:
+        cfg = _config(tmp, model.url, ["terminal-hello-file", "calc-add", "terminal-make-dirs",
+                                       "terminal-save-code"],
+                      **{"coordinator.schedule": "batch"})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _wait(actors)
+    results = sorted(_results(cfg), key=lambda r: r["started_at"])
+    assert len(results) == 4 and {r["status"] for r in results} == {"success"}
+    first, second = results[:2], results[2:]
+    # No episode of the second batch starts before the slow one of the first has ended.
+    assert min(r["started_at"] for r in second) >= max(r["ended_at"] for r in first) - 0.05
+
+
+def test_runners_spread_over_a_two_node_cluster(tmp):
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    _ray_env()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="test-cluster", logging_level="WARNING")
+        with _scripted() as model:
+            cfg = _config(tmp, model.url, ["terminal-hello-file", "terminal-make-dirs",
+                                           "terminal-count-lines", "calc-divide-keyboard"],
+                          **{"coordinator.episodes_per_runner": 1,
+                             "coordinator.runner_num_cpus": 1})
+            with _rollout(cfg) as (actors, loader):
+                ray.get(actors.coordinator.submit.remote(loader.poll()))
+                _wait(actors)
+        results = _results(cfg)
+        assert len(results) == 4 and {r["status"] for r in results} == {"success"}
+        nodes = {r["node"] for r in results}
+        assert nodes == {n["NodeID"] for n in ray.nodes() if n["Alive"]}, nodes
+    finally:
+        ray.shutdown()
+        cluster.shutdown()

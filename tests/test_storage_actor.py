@@ -1,0 +1,120 @@
+"""StorageActor in-process: the layout of docs/results_format.md, write order, superseded
+attempts, the repair of a results.jsonl cut by a crash, and backpressure."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+from config import StorageConfig
+from storage_actor import StorageActor
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+
+
+def _record(episode_id: str, attempt: int = 0, reward: float | None = 1.0) -> dict:
+    domain, task_id, rollout = episode_id.split("/")
+    return {"episode_id": episode_id, "task_id": task_id, "domain": domain,
+            "rollout": int(rollout), "attempt": attempt,
+            "status": "success" if reward else "infra_error", "reward": reward, "steps": 2}
+
+
+async def test_an_episode_lands_in_the_documented_layout(tmp_path: Path):
+    storage = StorageActor(tmp_path / "run")
+    await storage.start_run({"run": "t", "config": {"a": 1}})
+    episode = "web/task-1/0"
+    await storage.begin_episode(episode, 0, {"id": "task-1", "instruction": "do it"})
+    await storage.write_step(episode, 0, None, PNG, "step_0.png")
+    await storage.write_step(episode, 0, {"step_num": 1}, PNG, "step_1.png")
+    await storage.write_step(episode, 0, {"step_num": 2, "done": True}, None, None)
+    await storage.finish_episode(episode, 0, _record(episode), [{"role": "user"}])
+    await storage.record_result(_record(episode))
+    await storage.write_metrics({"t": 1.0, "steps": 2})
+    await storage.end_run("finished", {"episodes": 1})
+    await storage.close()
+
+    run = tmp_path / "run"
+    directory = run / episode
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "messages.json", "result.txt", "step_0.png", "step_1.png",
+        "task_config.json", "traj.jsonl"]
+    lines = [json.loads(x) for x in (directory / "traj.jsonl").read_text().splitlines()]
+    assert [x["step_num"] for x in lines] == [1, 2]
+    assert (directory / "result.txt").read_text().strip() == "1.0"
+    assert json.loads((directory / "task_config.json").read_text())["id"] == "task-1"
+    assert (directory / "step_1.png").read_bytes() == PNG
+    results = [json.loads(x) for x in (run / "results.jsonl").read_text().splitlines()]
+    assert [r["episode_id"] for r in results] == [episode]
+    assert json.loads((run / "metrics.jsonl").read_text())["steps"] == 2
+    info = json.loads((run / "run.json").read_text())
+    assert info["status"] == "finished" and info["config"] == {"a": 1}
+    assert info["ended_at"] >= info["started_at"] and info["summary"] == {"episodes": 1}
+    assert not list(run.rglob("*.tmp")), "temporary files left behind"
+
+
+async def test_writes_of_a_superseded_attempt_are_dropped(tmp_path: Path):
+    storage = StorageActor(tmp_path)
+    await storage.start_run({})
+    episode = "d/t/1"
+    await storage.begin_episode(episode, 0, {"id": "t"})
+    await storage.write_step(episode, 0, {"step_num": 1, "attempt": 0}, PNG, "step_1.png")
+    # The runner died; the coordinator restarted the episode elsewhere, while a late write
+    # of the dead attempt is still queued behind the restart.
+    await storage.begin_episode(episode, 1, {"id": "t"})
+    await storage.write_step(episode, 0, {"step_num": 2, "attempt": 0}, PNG, "step_2.png")
+    await storage.write_step(episode, 1, {"step_num": 1, "attempt": 1}, None, None)
+    await storage.finish_episode(episode, 0, _record(episode, 0), None)
+    await storage.flush()
+    directory = tmp_path / episode
+    assert sorted(p.name for p in directory.iterdir()) == ["task_config.json", "traj.jsonl"]
+    lines = [json.loads(x) for x in (directory / "traj.jsonl").read_text().splitlines()]
+    assert lines == [{"step_num": 1, "attempt": 1}]
+    assert storage.stats()["dropped_stale"] == 2
+    await storage.close()
+
+
+async def test_a_results_line_cut_by_a_crash_is_removed_at_start(tmp_path: Path):
+    whole = json.dumps(_record("d/t/0")) + "\n"
+    (tmp_path / "results.jsonl").write_text(whole + '{"episode_id": "d/t/1", "sta')
+    storage = StorageActor(tmp_path)
+    repaired = await storage.start_run({})
+    assert repaired["results_tail_cut_bytes"] == len('{"episode_id": "d/t/1", "sta')
+    await storage.record_result(_record("d/t/1"))
+    await storage.close()
+    lines = (tmp_path / "results.jsonl").read_text().splitlines()
+    assert [json.loads(x)["episode_id"] for x in lines] == ["d/t/0", "d/t/1"]
+
+
+async def test_callers_wait_when_the_queue_is_full(tmp_path: Path, monkeypatch):
+    storage = StorageActor(tmp_path, StorageConfig(queue_max_items=4))  # 1 per writer
+    await storage.start_run({})
+    gate = asyncio.Event()
+    real_handle = storage._handle
+
+    async def slow_handle(job):
+        await gate.wait()
+        await real_handle(job)
+
+    monkeypatch.setattr(storage, "_handle", slow_handle)
+    episode = "d/t/0"
+    await storage.begin_episode(episode, 0, {"id": "t"})  # taken by the writer, held
+    await storage.write_step(episode, 0, {"step_num": 1}, None, None)  # fills the queue
+    blocked = asyncio.create_task(storage.write_step(episode, 0, {"step_num": 2}, None, None))
+    await asyncio.sleep(0.2)
+    assert not blocked.done(), "a full queue must make the caller wait"
+    gate.set()
+    await asyncio.wait_for(blocked, 5)
+    await storage.close()
+    lines = (tmp_path / episode / "traj.jsonl").read_text().splitlines()
+    assert [json.loads(x)["step_num"] for x in lines] == [1, 2]
+
+
+async def test_an_episode_id_cannot_leave_the_run_directory(tmp_path: Path):
+    storage = StorageActor(tmp_path / "run")
+    await storage.start_run({})
+    await storage.begin_episode("../../etc/x", 0, {"id": "x"})
+    await storage.flush()
+    assert storage.stats()["errors"] == 1
+    assert not (tmp_path / "etc").exists()
+    await storage.close()
