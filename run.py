@@ -20,7 +20,6 @@ import platform
 import signal
 import sys
 import time
-from collections import Counter, defaultdict
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import metadata
@@ -223,70 +222,21 @@ class _Progress:
 # --------------------------------------------------------------------------- summary
 
 
-def read_results(run_dir: Path) -> list[dict[str, Any]]:
-    """The episodes of results.jsonl (unreadable lines skipped: a crash can cut the last)."""
-    import json
+def print_summary(run_dir: Path) -> dict[str, Any] | None:
+    """The per-domain table of the whole run (resumed episodes included), as
+    scripts/show_result.py prints it; returns its figures (for run.json)."""
+    scripts = str(ROOT / "scripts")
+    if scripts not in sys.path:
+        sys.path.insert(0, scripts)
+    import results_io
+    import show_result
 
-    path = run_dir / "results.jsonl"
-    if not path.is_file():
-        return []
-    out = []
-    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(record, dict):
-            out.append(record)
-    return out
-
-
-def print_summary(run_dir: Path, records: list[dict[str, Any]]) -> dict[str, Any]:
-    """A per-domain table of the whole run (resumed episodes included); returns its figures."""
-    from rich.console import Console
-    from rich.table import Table
-
-    scored = ("success", "failure", "max_steps", "timeout")
-    by_domain: dict[str, list[dict[str, Any]]] = defaultdict(list)
-    for r in records:
-        by_domain[str(r.get("domain"))].append(r)
-    table = Table(title=f"results: {run_dir}")
-    for col in ("domain", "episodes", "success rate", "mean reward", "infra errors",
-                "mean steps", "mean time (s)"):
-        table.add_column(col, justify="left" if col == "domain" else "right")
-    summary: dict[str, Any] = {"domains": {}}
-
-    def row(name: str, rows: list[dict[str, Any]]) -> None:
-        counted = [r for r in rows if r.get("status") in scored]
-        rewards = [float(r.get("reward") or 0.0) for r in counted]
-        solved = sum(r.get("status") == "success" for r in counted)
-        infra = sum(r.get("status") == "infra_error" for r in rows)
-        steps = [int(r.get("steps") or 0) for r in counted]
-        times = [float(r.get("duration_s") or 0.0) for r in counted]
-        figures = {
-            "episodes": len(rows),
-            "success_rate": solved / len(counted) if counted else None,
-            "mean_reward": sum(rewards) / len(rewards) if rewards else None,
-            "infra_errors": infra,
-        }
-        summary["domains"][name] = figures
-        table.add_row(
-            name, str(len(rows)),
-            "-" if figures["success_rate"] is None else f"{figures['success_rate']:.1%}",
-            "-" if figures["mean_reward"] is None else f"{figures['mean_reward']:.3f}",
-            str(infra),
-            f"{sum(steps) / len(steps):.1f}" if steps else "-",
-            f"{sum(times) / len(times):.1f}" if times else "-",
-        )
-
-    for domain in sorted(by_domain):
-        row(domain, by_domain[domain])
-    if by_domain:
-        table.add_section()
-        row("all", records)
-    # Off a terminal (CI logs, pipes) rich would squeeze the table into 80 columns.
-    Console(width=None if sys.stdout.isatty() else 110).print(table)
-    summary["statuses"] = dict(Counter(str(r.get("status")) for r in records))
+    loaded = results_io.load_run(run_dir)
+    if not loaded.episodes:
+        print(f"{run_dir}: no finished episodes")
+        return None
+    summary = show_result.summarize(loaded)
+    show_result.print_table(summary)
     return summary
 
 
@@ -409,7 +359,7 @@ def run(cfg: Config) -> int:
             status = _main_loop(cfg, loader, actors.coordinator, interrupts)
         finally:
             if status != "failed":
-                summary = print_summary(run_dir, read_results(run_dir))
+                summary = print_summary(run_dir)
             stop_actors(actors, status, summary)
     problems = loader.problems
     if problems:

@@ -69,7 +69,7 @@ def summarize(run: rio.Run) -> dict[str, Any]:
     }
 
 
-def _print_table(summary: dict[str, Any]) -> None:
+def print_table(summary: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         print(json.dumps(summary, indent=2))
     elif run.episodes:
-        _print_table(summary)
+        print_table(summary)
     return 0
 
 
