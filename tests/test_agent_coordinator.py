@@ -195,6 +195,34 @@ def test_batch_schedule_starts_the_next_batch_only_after_the_whole_batch(local_r
     assert min(r["started_at"] for r in second) >= max(r["ended_at"] for r in first) - 0.05
 
 
+def test_metrics_reach_the_prometheus_endpoint_and_metrics_jsonl(local_ray, tmp):
+    import httpx
+
+    with _scripted() as model:
+        cfg = _config(tmp, model.url, ["terminal-hello-file"])
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _wait(actors)
+            time.sleep(1.5)  # at least one metrics.jsonl sample after the episode
+    port = ray._private.worker.global_worker.node.metrics_export_port
+    wanted = {"ray_rollout_steps_total", "ray_rollout_episodes_total",
+              "ray_rollout_step_model_seconds_count", "ray_rollout_step_env_seconds_count",
+              "ray_rollout_desktops", "ray_rollout_episodes_in_flight",
+              "ray_rollout_success_rate"}
+
+    def exported() -> bool:
+        text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).text
+        names = {line.split("{")[0].split(" ")[0] for line in text.splitlines()
+                 if line.startswith("ray_rollout_")}
+        return wanted <= names
+
+    _until(exported, 60, "the rollout_ metrics on the Prometheus endpoint")
+    samples = [json.loads(x) for x in (cfg.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert samples[-1]["episodes_done"] == 1 and samples[-1]["steps"] >= 2
+    assert set(samples[-1]["desktops"]) == {"free", "leased", "resetting", "quarantined",
+                                            "starting"}
+
+
 def test_runners_spread_over_a_two_node_cluster(tmp):
     from ray.cluster_utils import Cluster
 

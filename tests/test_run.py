@@ -200,3 +200,41 @@ def test_ctrl_c_lets_running_episodes_finish_and_records_only_finished_ones(tmp)
     assert {r["status"] for r in results} == {"success"}
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
     assert not list((tmp / "desktops").glob("*/session.json")), "desktops left running"
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_service_mode_picks_up_tasks_added_while_it_runs(tmp):
+    tasks = tmp / "incoming"
+    tasks.mkdir()
+    example = SUITE / "examples" / "terminal"
+    shutil.copy(example / "terminal-hello-file.json", tasks)
+    # The scripted policy learns every demo solution up front (from examples_dir), so it
+    # can answer a task that appears later.
+    args = _command(tmp, f"tasks.source={tasks}", "tasks.poll_interval_s=1",
+                    "tasks.rollouts_per_task=1", f"tasks.examples_dir={SUITE / 'examples'}")
+    run_dir = tmp / "results" / "demo"
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        def finished() -> set[str]:
+            path = run_dir / "results.jsonl"
+            return {r["task_id"] for r in _results(run_dir)} if path.exists() else set()
+
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while finished() != {"terminal-hello-file"}:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        shutil.copy(example / "terminal-make-dirs.json", tasks)  # a new task arrives
+        while finished() != {"terminal-hello-file", "terminal-make-dirs"}:
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        assert proc.poll() is None, "service mode must keep running"
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-3000:]
+    assert {r["status"] for r in _results(run_dir)} == {"success"}
