@@ -180,6 +180,28 @@ def test_a_model_replying_garbage_takes_the_parse_failure_path(local_ray, tmp):
     assert results["terminal-wifi-infeasible"]["status"] == "success"
 
 
+def test_max_steps_and_the_episode_deadline_end_episodes_that_are_still_scored(local_ray,
+                                                                                tmp):
+    with _scripted(latency_s=0.5) as model:
+        cfg = _config(tmp / "steps", model.url, ["calc-add"], **{"runner.max_steps": 2})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _wait(actors)
+        [capped] = _results(cfg)
+        cfg = _config(tmp / "deadline", model.url, ["editor-replace-all"],
+                      **{"runner.episode_timeout_s": 2.5})
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _wait(actors)
+        [late] = _results(cfg)
+    assert capped["status"] == "max_steps" and capped["steps"] == 2
+    assert capped["reward"] == 0.0 and capped["last_action"] is None  # evaluated: unsolved
+    assert late["status"] == "timeout" and 1 <= late["steps"] < 9 and late["reward"] == 0.0
+    assert "deadline" in late["error"]
+    steps = _traj(cfg, late["episode_id"])
+    assert steps[-1]["done"] and steps[-1]["reward"] == 0.0
+
+
 def test_batch_schedule_starts_the_next_batch_only_after_the_whole_batch(local_ray, tmp):
     with _scripted() as model:
         cfg = _config(tmp, model.url, ["terminal-hello-file", "calc-add", "terminal-make-dirs",

@@ -238,3 +238,37 @@ def test_service_mode_picks_up_tasks_added_while_it_runs(tmp):
             proc.wait()
     assert proc.returncode == 130, stderr[-3000:]
     assert {r["status"] for r in _results(run_dir)} == {"success"}
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_a_second_ctrl_c_cancels_running_episodes_without_recording_them(tmp):
+    tasks = ["calc-add", "editor-replace-all", "terminal-hello-file"]
+    args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.5",
+                    "tasks.rollouts_per_task=1")
+    run_dir = tmp / "results" / "demo"
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        steps = list(run_dir.glob("*/*/0/traj.jsonl"))
+        while len(steps) < 2:  # both desktops are mid-episode
+            assert proc.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+            steps = list(run_dir.glob("*/*/0/traj.jsonl"))
+        proc.send_signal(signal.SIGINT)
+        time.sleep(0.5)
+        proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 130, stderr[-3000:]
+    recorded = _results(run_dir) if (run_dir / "results.jsonl").exists() else []
+    assert all(r["status"] == "success" for r in recorded)
+    cancelled = [json.loads(p.read_text()) for p in run_dir.glob("*/*/0/episode.json")]
+    cancelled = [e for e in cancelled if e["status"] == "cancelled"]
+    assert cancelled, "the running episodes should have been cancelled"
+    assert not {e["episode_id"] for e in cancelled} & {r["episode_id"] for r in recorded}
+    assert not list((tmp / "desktops").glob("*/session.json")), "desktops left running"
