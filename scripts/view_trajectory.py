@@ -49,7 +49,10 @@ td.num { text-align: right; }
 .st-infra_error, .st-cancelled { background: #e0e0e0; color: #555; }
 .step, .final { border-top: 2px solid #888; margin-top: 1.5em; padding-top: .5em; }
 .cols { display: flex; gap: 1.5em; align-items: flex-start; }
-.shot { position: relative; flex: 0 0 62%; margin: 0; }
+.shot { flex: 0 0 62%; margin: 0; }
+/* The overlay covers exactly the image (not the caption under it), so its viewBox in
+   screen pixels lands where the action happened. */
+.shot .frame { position: relative; }
 .shot img { display: block; width: 100%; height: auto; background: #333; }
 .shot svg { position: absolute; left: 0; top: 0; width: 100%; height: 100%; pointer-events: none; }
 .text { flex: 1; min-width: 0; }
@@ -259,8 +262,8 @@ def _figure(
     dims = f' width="{size[0]}" height="{size[1]}"' if size else ""
     url = f"{slug}/{quote(name, safe='@')}"  # a file name may hold '#', '?' or spaces
     return (
-        f'<figure class="shot"><img src="{_e(url)}" loading="lazy" alt="{_e(name)}"{dims}>'
-        f"{overlay}<figcaption>{_e(caption)}</figcaption></figure>"
+        f'<figure class="shot"><div class="frame"><img src="{_e(url)}" loading="lazy" '
+        f'alt="{_e(name)}"{dims}>{overlay}</div><figcaption>{_e(caption)}</figcaption></figure>'
     )
 
 
