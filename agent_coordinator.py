@@ -88,8 +88,7 @@ class AgentCoordinator:
         self._rewards_n = 0
         self._dead_runner_steps = 0
         self._sample: dict[str, Any] = {}
-        self._last_sample_t = time.time()
-        self._last_sample_steps = 0
+        self._step_history: deque[tuple[float, int]] = deque([(time.time(), 0)])
         self._pool_stats: dict[str, Any] = {}
 
     # ----------------------------------------------------------------- public surface
@@ -369,13 +368,20 @@ class AgentCoordinator:
         for r in runners:
             by_endpoint.update(r.last_stats.get("model_in_flight_by_endpoint") or {})
         now = time.time()
-        elapsed = max(1e-9, now - self._last_sample_t)
+        # steps/s over the last metrics interval: a 1 s window would show the quantisation
+        # of a few steps per second (0, 2, 4 ...) rather than the rate.
+        self._step_history.append((now, steps))
+        while len(self._step_history) > 2 and (
+                now - self._step_history[1][0] >= self.cfg.monitoring.metrics_interval_s):
+            self._step_history.popleft()
+        first_t, first_steps = self._step_history[0]
+        rate = (steps - first_steps) / (now - first_t) if now > first_t else 0.0
         pool = self._pool_stats
         self._sample = {
             "t": now,
             "elapsed_s": round(now - self._started_at, 3),
             "steps": steps,
-            "steps_per_s": round(max(0, steps - self._last_sample_steps) / elapsed, 4),
+            "steps_per_s": round(max(0.0, rate), 4),
             "desktops": {k: pool.get(k, 0) for k in ("free", "leased", "resetting",
                                                       "quarantined", "starting")},
             "desktop_resets": pool.get("resets", 0),
@@ -383,7 +389,6 @@ class AgentCoordinator:
             "model_in_flight_by_endpoint": dict(by_endpoint),
             "step_time_s": _step_split([r.last_stats for r in runners]),
         }
-        self._last_sample_t, self._last_sample_steps = now, steps
         sample = self.stats()
         self._metrics.sample(sample)
         if write:
