@@ -44,7 +44,9 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 # x11-utils: xdpyinfo/xwininfo; fonts: readable screenshots; xdg-utils: /setup/open_file.
 apt_packages=(xvfb openbox xterm mousepad galculator wmctrl xdotool xclip ffmpeg
               at-spi2-core python3-pyatspi dbus dbus-x11 x11-utils x11-xserver-utils
-              fonts-dejavu-core procps xdg-utils chromium)  # chromium: the HTML viewer test
+              fonts-dejavu-core procps xdg-utils)
+# Only the tests need a browser (the trajectory viewer is checked in headless chromium).
+[ "$dev" = 1 ] && apt_packages+=(chromium)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do
