@@ -1,7 +1,8 @@
 """Prompt templates (UI-TARS 1.5 computer use) and the chat messages of one model request.
 
 Screenshots are encoded to base64 once, on first use, and the same data URL string is reused
-by every later request while the screenshot stays in the history window.
+by every later request while the screenshot stays in the history window. It is a ``DataURL``:
+the model client embeds it in request bodies as it is, without JSON-escaping megabytes again.
 """
 
 from __future__ import annotations
@@ -87,6 +88,14 @@ def png_size(png: bytes) -> tuple[int, int]:
     return width, height
 
 
+class DataURL(str):
+    """A ``data:`` URL whose payload is base64 (made by ``Screenshot.data_url``): its
+    characters need no JSON escaping, so ``json.dumps`` of it is the string in quotes and a
+    request body can embed it as is."""
+
+    __slots__ = ()
+
+
 @dataclass(eq=False)
 class Screenshot:
     """One observed screen: the PNG bytes and, computed once on first use, its data URL."""
@@ -99,9 +108,9 @@ class Screenshot:
         return png_size(self.png)
 
     @cached_property
-    def data_url(self) -> str:
+    def data_url(self) -> DataURL:
         """``data:image/png;base64,...``: encoded once, shared by every request that sends it."""
-        return "data:image/png;base64," + base64.b64encode(self.png).decode("ascii")
+        return DataURL(b"data:image/png;base64," + base64.b64encode(self.png), "ascii")
 
 
 @dataclass
