@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import abc
 import asyncio
+import functools
 import json
 import logging
 import os
+import ssl
 import time
 import uuid
 from collections.abc import Iterable, Mapping
@@ -67,10 +69,32 @@ def shared_client(max_connections: int) -> httpx2.AsyncClient:
                 max_connections=max_connections, max_keepalive_connections=max_connections
             ),
             timeout=httpx2.Timeout(30.0),
+            verify=_ssl_context(),
         )
         _CLIENTS[id(loop)] = (loop, client)
         return client
     return entry[1]
+
+
+def lease_client(cfg: DesktopsConfig) -> httpx2.AsyncClient:
+    """A client for the one desktop an episode leased; the episode closes it when it gives
+    the desktop back. The episode's requests follow one another, so its pool keeps a single
+    connection, and httpx2's work on each request (it probes every idle connection of the
+    pool) stays constant. In the process's shared pool that work grows with every
+    connection kept alive there, up to ``max_connections``."""
+    return httpx2.AsyncClient(
+        limits=httpx2.Limits(max_connections=cfg.max_connections,
+                             max_keepalive_connections=1),  # requests are sequential
+        timeout=httpx2.Timeout(30.0),
+        verify=_ssl_context(),
+    )
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx2's default TLS context, built once per process (loading the CA bundle takes
+    ~35 ms, which every new client would otherwise pay)."""
+    return httpx2.create_ssl_context()
 
 
 async def close_shared_client() -> None:
@@ -862,5 +886,6 @@ __all__ = [
     "StaticProvider",
     "StepResult",
     "close_shared_client",
+    "lease_client",
     "shared_client",
 ]

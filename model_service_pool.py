@@ -11,9 +11,11 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import functools
 import json
 import logging
 import random
+import ssl
 import time
 import uuid
 from collections import OrderedDict
@@ -194,7 +196,8 @@ class ModelServicePool:
                 "no model endpoints: set model.endpoints, model.scripted, or run run_model.py "
                 "and point model_pool.state_dir at its state"
             )
-        self._client: httpx2.AsyncClient | None = None
+        self._clients: dict[str, httpx2.AsyncClient] = {}  # endpoint URL -> its client
+        self._closing: set[asyncio.Task[None]] = set()
         self._reprobe_task: asyncio.Task[None] | None = None
         self.requests = 0
         self.retries = 0
@@ -269,24 +272,31 @@ class ModelServicePool:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._reprobe_task
             self._reprobe_task = None
-        if self._client is not None:
-            await self._client.aclose()
-            self._client = None
+        clients, self._clients = list(self._clients.values()), {}
+        await asyncio.gather(*(c.aclose() for c in clients), *self._closing,
+                             return_exceptions=True)
 
     # ----------------------------------------------------------------- internals
 
-    def _http(self) -> httpx2.AsyncClient:
-        if self._client is None:
-            n = self.cfg.max_connections_per_endpoint * max(1, len(self._endpoints))
+    def _http(self, endpoint: Endpoint) -> httpx2.AsyncClient:
+        """The endpoint's own client. Its pool holds that endpoint's connections only, so
+        ``max_connections_per_endpoint`` limits each endpoint, and the work httpx2's pool
+        does on every request (it probes each of its idle connections) stays proportional
+        to one endpoint's share of the episodes, not to all of this process's connections."""
+        client = self._clients.get(endpoint.url)
+        if client is None or client.is_closed:
+            n = self.cfg.max_connections_per_endpoint
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            self._client = httpx2.AsyncClient(
+            client = httpx2.AsyncClient(
                 timeout=httpx2.Timeout(
                     self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s
                 ),
                 limits=httpx2.Limits(max_connections=n, max_keepalive_connections=n),
                 headers=headers,
+                verify=_ssl_context(),
             )
-        return self._client
+            self._clients[endpoint.url] = client
+        return client
 
     def _pick(self, session_id: str | None, avoid: set[str]) -> Endpoint:
         self._refresh_from_state_file()
@@ -307,7 +317,7 @@ class ModelServicePool:
         started = self._clock()
         try:
             try:
-                response = await self._http().post(
+                response = await self._http(endpoint).post(
                     endpoint.url + "/v1/chat/completions",
                     content=content,
                     headers={"Content-Type": "application/json",
@@ -359,7 +369,7 @@ class ModelServicePool:
             await asyncio.sleep(self.cfg.reprobe_interval_s)
             for endpoint in [e for e in self._endpoints.values() if e.ejected]:
                 try:
-                    r = await self._http().get(
+                    r = await self._http(endpoint).get(
                         endpoint.url + "/health", timeout=self.cfg.connect_timeout_s
                     )
                 except httpx2.HTTPError:
@@ -402,6 +412,18 @@ class ModelServicePool:
         for url in list(self._endpoints):
             if url not in seen and self._endpoints[url].outstanding == 0:
                 del self._endpoints[url]
+                client = self._clients.pop(url, None)
+                if client is not None:
+                    task = asyncio.get_running_loop().create_task(client.aclose())
+                    self._closing.add(task)
+                    task.add_done_callback(self._closing.discard)
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    """httpx2's default TLS context, built once per process (loading the CA bundle takes
+    ~35 ms, which every new client would otherwise pay)."""
+    return httpx2.create_ssl_context()
 
 
 # Stands in for a data URL while the rest of a body is serialised; letters, digits and

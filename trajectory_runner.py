@@ -20,7 +20,7 @@ from datetime import datetime
 from typing import Any
 
 from config import Config
-from env_k8s import RemoteDesktopEnv
+from env_k8s import RemoteDesktopEnv, lease_client
 from errors import (
     ActionParseError,
     DesktopError,
@@ -149,6 +149,7 @@ class _Episode:
         self.reset_done = False
         self.held_record: dict[str, Any] | None = None
         self._pending_write: Awaitable[Any] | None = None
+        self.desktop_client: Any = None       # the leased desktop's connection (lease_client)
 
     # ----------------------------------------------------------------- storage
 
@@ -191,7 +192,9 @@ class _Episode:
                                 cfg.desktops.lease_timeout_s, self.avoid)
             self.timing["lease_wait_s"] = time.monotonic() - waited
             self.desktop = lease.desktop_id
-            env = RemoteDesktopEnv(lease.url, cfg.desktops, name=lease.desktop_id)
+            self.desktop_client = lease_client(cfg.desktops)
+            env = RemoteDesktopEnv(lease.url, cfg.desktops, name=lease.desktop_id,
+                                   client=self.desktop_client)
             await _call(self.r.storage, "begin_episode", self.spec.episode_id,
                         self.spec.attempt, self.task)
             try:
@@ -409,6 +412,10 @@ class _Episode:
                       retryable: bool, reward: float | None) -> EpisodeResult:
         result = self._result(status, error, retryable, reward)
         self.r.model.end_session(self.session_id)
+        if self.desktop_client is not None:
+            client, self.desktop_client = self.desktop_client, None
+            with contextlib.suppress(Exception):  # closing a socket cannot fail the episode
+                await client.aclose()
         try:
             if lease is not None:
                 await _call(self.r.desktop_pool, "release", lease.lease_id, healthy)
