@@ -61,6 +61,8 @@ class StorageActor:
         self._writers: list[asyncio.Task[None]] = []
         self._results_lock: asyncio.Lock | None = None
         self._attempts: dict[str, int] = {}  # episode -> attempt whose files are current
+        self._dirs: dict[str, Path] = {}      # episode -> its directory, checked once
+        self._root = self.run_dir.resolve()
         self._run_info: dict[str, Any] = {}
         self.counters = {"steps": 0, "screenshots": 0, "episodes": 0, "results": 0,
                          "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0}
@@ -188,35 +190,39 @@ class StorageActor:
                     job.done.set_result(None)
 
     def _episode_dir(self, episode_id: str) -> Path:
-        path = (self.run_dir / episode_id).resolve()
-        if self.run_dir.resolve() not in path.parents:
-            raise ValueError(f"episode id {episode_id!r} leaves the run directory")
+        path = self._dirs.get(episode_id)
+        if path is None:
+            path = (self.run_dir / episode_id).resolve()
+            if self._root not in path.parents:
+                raise ValueError(f"episode id {episode_id!r} leaves the run directory")
+            self._dirs[episode_id] = path
         return path
 
     async def _handle(self, job: _Job) -> None:
+        # Each job's file work runs in one thread call: a screenshot and its traj.jsonl line
+        # cost one hop to the thread pool, not one per open, write, close and rename.
         if job.kind == "flush":
             return
         if job.kind == "metrics":
-            await self._append(self.run_dir / METRICS_FILE, _dumps(job.payload["sample"]) + "\n")
+            await asyncio.to_thread(_append, self.run_dir / METRICS_FILE,
+                                    _dumps(job.payload["sample"]) + "\n")
             self.counters["metrics"] += 1
             return
         assert job.episode_id is not None
         if job.kind == "begin":
             self._attempts[job.episode_id] = job.attempt
             directory = self._episode_dir(job.episode_id)
-            await asyncio.to_thread(shutil.rmtree, directory, True)
-            await aiofiles.os.makedirs(directory, exist_ok=True)
-            await self._write_atomic(directory / "task_config.json",
-                                     json.dumps(job.payload["task"], indent=2,
-                                                ensure_ascii=False).encode())
+            task = json.dumps(job.payload["task"], indent=2, ensure_ascii=False).encode()
+            await asyncio.to_thread(_begin, directory, task, self.cfg.fsync)
             return
         if job.kind == "result":
             record = job.payload["record"]
             self._attempts.pop(job.episode_id, None)
+            self._dirs.pop(job.episode_id, None)
             assert self._results_lock is not None
             async with self._results_lock:
-                await self._append(self.run_dir / RESULTS_FILE, _dumps(record) + "\n",
-                                   fsync=self.cfg.fsync)
+                await asyncio.to_thread(_append, self.run_dir / RESULTS_FILE,
+                                        _dumps(record) + "\n", self.cfg.fsync)
             self.counters["results"] += 1
             return
         if self._attempts.get(job.episode_id) != job.attempt:
@@ -227,48 +233,75 @@ class StorageActor:
         directory = self._episode_dir(job.episode_id)
         if job.kind == "step":
             png, name = job.payload["png"], job.payload["png_name"]
-            if png is not None and name:
-                await self._write_atomic(directory / name, png)
+            png = png if png is not None and name else None
+            record = job.payload["record"]
+            line = _dumps(record) + "\n" if record is not None else None
+            await asyncio.to_thread(_step, directory, name, png, line, self.cfg.fsync)
+            if png is not None:
                 self.counters["screenshots"] += 1
                 self.counters["bytes"] += len(png)
-            record = job.payload["record"]
-            if record is not None:
-                await self._append(directory / "traj.jsonl", _dumps(record) + "\n")
+            if line is not None:
                 self.counters["steps"] += 1
         elif job.kind == "finish":
             record = job.payload["record"]
-            await self._write_atomic(directory / "episode.json",
-                                     json.dumps(record, indent=2, ensure_ascii=False,
-                                                default=str).encode())
+            files = [("episode.json", json.dumps(record, indent=2, ensure_ascii=False,
+                                                 default=str).encode())]
             if record.get("reward") is not None:
-                await self._write_atomic(directory / "result.txt",
-                                         f"{float(record['reward'])}\n".encode())
+                files.append(("result.txt", f"{float(record['reward'])}\n".encode()))
             messages = job.payload["messages"]
             if messages is not None and self.cfg.save_messages:
-                await self._write_atomic(directory / "messages.json",
-                                         json.dumps(messages, ensure_ascii=False).encode())
+                files.append(("messages.json", json.dumps(messages, ensure_ascii=False).encode()))
+            await asyncio.to_thread(_write_files, directory, files, self.cfg.fsync)
             self.counters["episodes"] += 1
 
     async def _write_atomic(self, path: Path, data: bytes) -> None:
-        tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-        try:
-            async with aiofiles.open(tmp, "wb") as f:
-                await f.write(data)
-                if self.cfg.fsync:
-                    await f.flush()
-                    await asyncio.to_thread(os.fsync, f.fileno())
-            await aiofiles.os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                await aiofiles.os.remove(tmp)
-            raise
+        await asyncio.to_thread(_write_atomic, path, data, self.cfg.fsync)
 
-    async def _append(self, path: Path, text: str, *, fsync: bool = False) -> None:
-        async with aiofiles.open(path, "a", encoding="utf-8") as f:
-            await f.write(text)
-            await f.flush()
+
+# ----------------------------------------------------------------- file work (in threads)
+
+
+def _write_atomic(path: Path, data: bytes, fsync: bool = False) -> None:
+    """Write under a temporary name, then rename: a reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
             if fsync:
-                await asyncio.to_thread(os.fsync, f.fileno())
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+
+
+def _append(path: Path, text: str, fsync: bool = False) -> None:
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def _begin(directory: Path, task: bytes, fsync: bool) -> None:
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    _write_atomic(directory / "task_config.json", task, fsync)
+
+
+def _step(directory: Path, name: str | None, png: bytes | None, line: str | None,
+          fsync: bool) -> None:
+    if png is not None and name:
+        _write_atomic(directory / name, png, fsync)
+    if line is not None:
+        _append(directory / "traj.jsonl", line)
+
+
+def _write_files(directory: Path, files: list[tuple[str, bytes]], fsync: bool) -> None:
+    for name, data in files:
+        _write_atomic(directory / name, data, fsync)
 
 
 def _repair_tail(path: Path) -> int:
