@@ -33,6 +33,7 @@ from errors import (
 from model_service_pool import Generation, ModelServicePool
 from monitoring import Metrics
 from prompts import Screenshot, Turn, build_messages
+from storage_actor import png_parts
 from task_loader import EpisodeSpec
 from ui_tars_utils import DONE, FAIL, WAIT, Action, parse_response, split_terminal, to_pyautogui
 
@@ -174,7 +175,7 @@ class _Episode:
         if not self.cfg.runner.save_screenshots:
             return None
         name = f"step_{step}.png"
-        await self._store("write_step", None, shot.png, name)
+        await self._store("write_step_parts", None, name, *png_parts(shot.png))
         self._remember(shot, name)
         return name
 
@@ -315,7 +316,8 @@ class _Episode:
                 return "failure"  # scored by the evaluator next
             name = f"step_{step}.png" if cfg.runner.save_screenshots else None
             record["screenshot_file"] = name
-            await self._store("write_step", previous, shot.png if name else None, name)
+            await self._store("write_step_parts", previous, name,
+                              *(png_parts(shot.png) if name else ()))
             self._remember(shot, name)
         return "max_steps"
 
