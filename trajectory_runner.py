@@ -414,10 +414,6 @@ class _Episode:
                       retryable: bool, reward: float | None) -> EpisodeResult:
         result = self._result(status, error, retryable, reward)
         self.r.model.end_session(self.session_id)
-        if self.desktop_client is not None:
-            client, self.desktop_client = self.desktop_client, None
-            with contextlib.suppress(Exception):  # closing a socket cannot fail the episode
-                await client.aclose()
         try:
             if lease is not None:
                 await _call(self.r.desktop_pool, "release", lease.lease_id, healthy)
@@ -432,6 +428,12 @@ class _Episode:
             # The result itself must reach the coordinator; a storage or pool hiccup here is
             # logged (the coordinator still records the result line).
             log.error("episode %s: finishing failed: %s", self.spec.episode_id, exc)
+        finally:
+            # After the release (its call is sent before anything here can be cancelled).
+            if self.desktop_client is not None:
+                client, self.desktop_client = self.desktop_client, None
+                with contextlib.suppress(Exception):  # closing a socket cannot fail it
+                    await client.aclose()
         return result
 
     def _finish_in_background(self, lease: Any, healthy: bool, status: str,
