@@ -115,9 +115,11 @@ class Screenshot:
 
 @dataclass
 class Turn:
-    """One past step: the screenshot the model saw and the reply it gave."""
+    """One past step: the screenshot the model saw and the reply it gave. A caller may drop
+    the screenshot (``None``) once the turn is older than the image window: it is never sent
+    again."""
 
-    screenshot: Screenshot
+    screenshot: Screenshot | None
     response: str
 
     @cached_property
@@ -161,6 +163,9 @@ def build_messages(
     with_image_from = len(kept) - (history_images - 1)
     for i, turn in enumerate(kept):
         if i >= with_image_from:
+            if turn.screenshot is None:
+                raise ValueError(f"turn {len(history) - len(kept) + i} is inside the image "
+                                 "window but its screenshot was dropped")
             messages.append({"role": "user", "content": [_image_part(turn.screenshot)]})
         messages.append(
             {"role": "assistant", "content": [{"type": "text", "text": turn.history_text}]}

@@ -167,6 +167,19 @@ class _Episode:
             pending, self._pending_write = self._pending_write, None
             await pending
 
+    def _forget_old_screenshot(self) -> None:
+        """Drop the screenshot of the turn that just left the last request's image window
+        (its file is written; it is never sent again): an episode holds ``history_images``
+        screenshots (PNG and base64), not every one it has seen."""
+        old = len(self.history) - 1 - self.cfg.runner.history_images
+        if old < 0 or (shot := self.history[old].screenshot) is None:
+            return
+        # The last request (last_messages, saved at the end) no longer shows it either, so
+        # its file name can go; its data URL's id may be reused once the string is freed.
+        if "data_url" in shot.__dict__:
+            self.files.pop(id(shot.data_url), None)
+        self.history[old].screenshot = None
+
     def _remember(self, shot: Screenshot, name: str | None) -> None:
         if name:
             self.files[id(shot.data_url)] = name
@@ -261,6 +274,7 @@ class _Episode:
             generation, parsed, retries, model_s = await self._generate(messages, width, height)
             self.steps = step
             self.history.append(Turn(shot, generation.text))
+            self._forget_old_screenshot()
             record: dict[str, Any] = {
                 "step_num": step,
                 "action_timestamp": _timestamp(),
