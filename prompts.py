@@ -98,19 +98,32 @@ class DataURL(str):
 
 @dataclass(eq=False)
 class Screenshot:
-    """One observed screen: the PNG bytes and, computed once on first use, its data URL."""
+    """One observed screen: the PNG bytes and, computed once on first use, its data URL.
+    ``forget_png`` lets the PNG go once it is stored (``png`` is then None)."""
 
-    png: bytes
+    png: bytes | None
 
     @cached_property
     def size(self) -> tuple[int, int]:
         """(width, height) read from the PNG header."""
+        if self.png is None:
+            raise ValueError("the PNG was forgotten before its size was read")
         return png_size(self.png)
 
     @cached_property
     def data_url(self) -> DataURL:
         """``data:image/png;base64,...``: encoded once, shared by every request that sends it."""
+        if self.png is None:
+            raise ValueError("the PNG was forgotten before its data URL was made")
         return DataURL(b"data:image/png;base64," + base64.b64encode(self.png), "ascii")
+
+    def forget_png(self) -> None:
+        """Keep only what requests need (size, data URL: made now if not yet) and let the
+        PNG bytes go, once they are stored: a screenshot in the image window then costs its
+        base64 alone (~470 KB for 1920x1080) instead of PNG and base64 (~820 KB)."""
+        self.size  # noqa: B018 — cached now, while the PNG is still here
+        self.data_url  # noqa: B018
+        self.png = None
 
 
 @dataclass

@@ -259,6 +259,7 @@ class _Episode:
         self.timing["reset_s"] = time.monotonic() - t0
         self.reset_done = True
         await self._save_screenshot(shot, 0)
+        shot.forget_png()  # stored: requests need its base64 only
         width, height = shot.size
         for step in range(1, cfg.runner.max_steps + 1):
             step_started = time.monotonic()
@@ -333,6 +334,7 @@ class _Episode:
             await self._store("write_step_parts", previous, name,
                               *(png_parts(shot.png) if name else ()))
             self._remember(shot, name)
+            shot.forget_png()
         return "max_steps"
 
     async def _generate(
