@@ -139,6 +139,7 @@ class AgentCoordinator:
         rerun of the same command picks them up)."""
         await self.start()
         self._draining = True
+        self._update_idle()
         if cancel:
             await self.cancel_all()
         assert self._idle is not None
@@ -206,7 +207,8 @@ class AgentCoordinator:
 
     def _update_idle(self) -> None:
         assert self._idle is not None
-        if self._queue or self._in_flight:
+        # While draining, queued episodes will not start: idle means nothing runs.
+        if self._in_flight or (self._queue and not self._draining):
             self._idle.clear()
         else:
             self._idle.set()

@@ -321,6 +321,7 @@ def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> 
         except Exception as exc:  # the run's files must still be closed
             log.error("%s failed: %s", what, _cause(exc))
     ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
+    ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)
 
 
 def run(cfg: Config) -> int:

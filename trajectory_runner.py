@@ -248,7 +248,16 @@ class _Episode:
             status, error, retryable = "infra_error", f"{type(exc).__name__}: {exc}", False
         if status == "infra_error":
             reward = None
-        return await self._finish(lease, healthy, status, error, retryable, reward)
+        # A cancel arriving while the episode is being finished must not cut its writes or
+        # the desktop's release short: the finish completes in the background.
+        finish = asyncio.ensure_future(
+            self._finish(lease, healthy, status, error, retryable, reward))
+        try:
+            return await asyncio.shield(finish)
+        except asyncio.CancelledError:
+            self.r.background.add(finish)
+            finish.add_done_callback(self.r.background.discard)
+            raise
 
     async def _act(self, env: RemoteDesktopEnv) -> str:
         """Setup, then steps until the agent ends; returns ``failure`` (to be scored) or

@@ -202,6 +202,22 @@ def test_max_steps_and_the_episode_deadline_end_episodes_that_are_still_scored(l
     assert steps[-1]["done"] and steps[-1]["reward"] == 0.0
 
 
+def test_drain_lets_running_episodes_finish_and_leaves_the_queue(local_ray, tmp):
+    tasks = ["terminal-hello-file", "terminal-make-dirs", "terminal-count-lines",
+             "terminal-save-code"]
+    with _scripted(latency_s=0.3) as model:
+        cfg = _config(tmp, model.url, tasks)
+        with _rollout(cfg) as (actors, loader):
+            ray.get(actors.coordinator.submit.remote(loader.poll()))
+            _until(lambda: ray.get(actors.coordinator.stats.remote())["episodes_in_flight"] == 2,
+                   60, "two running episodes")
+            # No timeout given: drain must return once the running ones end, although two
+            # episodes are still queued.
+            stats = ray.get(actors.coordinator.drain.remote(), timeout=120)
+    assert stats["episodes_in_flight"] == 0 and stats["episodes_queued"] == 2
+    assert len(_results(cfg)) == 2
+
+
 def test_batch_schedule_starts_the_next_batch_only_after_the_whole_batch(local_ray, tmp):
     with _scripted() as model:
         cfg = _config(tmp, model.url, ["terminal-hello-file", "calc-add", "terminal-make-dirs",
