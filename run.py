@@ -444,6 +444,16 @@ def main(argv: list[str] | None = None) -> int:
     except (FatalSetupError, ModelUnavailable, InfraError) as exc:
         print(f"run.py: error: {exc}", file=sys.stderr)
         return EXIT_FATAL
+    except Exception as exc:
+        from ray.exceptions import RayError
+
+        if not isinstance(exc, RayError):
+            raise
+        # An actor of the run died (or Ray itself): what finished is on disk and the same
+        # command resumes from it.
+        print(f"run.py: error: the rollout stopped: {_cause(exc)}; finished episodes are "
+              f"saved, rerun the same command to resume", file=sys.stderr)
+        return EXIT_FATAL
 
 
 if __name__ == "__main__":
