@@ -13,7 +13,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,26 +173,43 @@ def test_setup_errors_exit_with_one_line_and_their_codes(tmp):
     assert "no model endpoints" in line
 
 
+def _interrupt_when(args: list[str], ready: Callable[[], bool], ctrl_c: int = 1
+                    ) -> tuple[int, str]:
+    """Run ``args``; once ``ready()`` holds (polled while the run lives), press Ctrl-C
+    ``ctrl_c`` times; returns the exit code and stderr."""
+    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not ready():
+            assert proc.poll() is None, "the run ended before it was interrupted"
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        for press in range(ctrl_c):
+            if press:
+                time.sleep(0.5)
+            proc.send_signal(signal.SIGINT)
+        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    return proc.returncode, stderr
+
+
+def _finished_tasks(run_dir: Path) -> set[str]:
+    path = run_dir / "results.jsonl"
+    return {r["task_id"] for r in _results(run_dir)} if path.exists() else set()
+
+
 @pytest.mark.integration
 @pytest.mark.slow
 def test_ctrl_c_lets_running_episodes_finish_and_records_only_finished_ones(tmp):
     tasks = ["terminal-hello-file", "terminal-make-dirs", "terminal-count-lines"]
     args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.3")
     run_dir = tmp / "results" / "demo"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not ((run_dir / "results.jsonl").exists() and _results(run_dir)):
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
+    code, stderr = _interrupt_when(args, lambda: bool(_finished_tasks(run_dir)))
+    assert code == 130, stderr[-3000:]
     results = _results(run_dir)
     # The episodes that were running when Ctrl-C came finished (2 desktops), nothing new
     # started, and nothing unfinished was recorded.
@@ -214,29 +231,16 @@ def test_service_mode_picks_up_tasks_added_while_it_runs(tmp):
     args = _command(tmp, f"tasks.source={tasks}", "tasks.poll_interval_s=1",
                     "tasks.rollouts_per_task=1", f"tasks.examples_dir={SUITE / 'examples'}")
     run_dir = tmp / "results" / "demo"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        def finished() -> set[str]:
-            path = run_dir / "results.jsonl"
-            return {r["task_id"] for r in _results(run_dir)} if path.exists() else set()
 
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while finished() != {"terminal-hello-file"}:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        shutil.copy(example / "terminal-make-dirs.json", tasks)  # a new task arrives
-        while finished() != {"terminal-hello-file", "terminal-make-dirs"}:
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        assert proc.poll() is None, "service mode must keep running"
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
+    def both_done() -> bool:
+        done = _finished_tasks(run_dir)
+        if done == {"terminal-hello-file"} and not (tasks / "terminal-make-dirs.json").exists():
+            shutil.copy(example / "terminal-make-dirs.json", tasks)  # a new task arrives
+        return done == {"terminal-hello-file", "terminal-make-dirs"}
+
+    # The run must still be alive when both are done: service mode keeps polling.
+    code, stderr = _interrupt_when(args, both_done)
+    assert code == 130, stderr[-3000:]
     assert {r["status"] for r in _results(run_dir)} == {"success"}
 
 
@@ -247,24 +251,10 @@ def test_a_second_ctrl_c_cancels_running_episodes_without_recording_them(tmp):
     args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.5",
                     "tasks.rollouts_per_task=1")
     run_dir = tmp / "results" / "demo"
-    proc = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        steps = list(run_dir.glob("*/*/0/traj.jsonl"))
-        while len(steps) < 2:  # both desktops are mid-episode
-            assert proc.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-            steps = list(run_dir.glob("*/*/0/traj.jsonl"))
-        proc.send_signal(signal.SIGINT)
-        time.sleep(0.5)
-        proc.send_signal(signal.SIGINT)
-        _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 130, stderr[-3000:]
+    # Both desktops are mid-episode when Ctrl-C is pressed twice.
+    code, stderr = _interrupt_when(
+        args, lambda: len(list(run_dir.glob("*/*/0/traj.jsonl"))) >= 2, ctrl_c=2)
+    assert code == 130, stderr[-3000:]
     recorded = _results(run_dir) if (run_dir / "results.jsonl").exists() else []
     assert all(r["status"] == "success" for r in recorded)
     cancelled = [json.loads(p.read_text()) for p in run_dir.glob("*/*/0/episode.json")]
