@@ -14,7 +14,6 @@ import contextlib
 import dataclasses
 import itertools
 import logging
-import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -405,8 +404,3 @@ def _step_split(stats: list[dict[str, Any]]) -> dict[str, float] | None:
     return {k: round(sum(float(s.get(k, 0.0)) for s in stats) / steps, 4)
             for k in ("model_s", "env_s", "overhead_s")}
 
-
-def runners_needed(cfg: Config) -> int:
-    """How many runner actors carry ``max_concurrent_episodes`` at full load."""
-    return math.ceil(cfg.coordinator.max_concurrent_episodes
-                     / cfg.coordinator.episodes_per_runner)

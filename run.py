@@ -177,8 +177,6 @@ class _Progress:
 
     def __init__(self, enabled: bool, total: int, done_before: int) -> None:
         self.live = enabled and sys.stderr.isatty()
-        self.total = total
-        self.done_before = done_before
         self._last_line = 0.0
         self._bar = None
         if self.live:

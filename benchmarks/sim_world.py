@@ -20,6 +20,7 @@ prints their CPU per request and the rate one process sustains.
 
 from __future__ import annotations
 
+import abc
 import argparse
 import asyncio
 import dataclasses
@@ -367,14 +368,32 @@ _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 431: b"Too Large
             500: b"Internal Server Error"}
 
 
-class _App:
+class _App(abc.ABC):
     """What a connection serves: ``app(method, path, body) -> _Reply``, and a count of the
     connections made to it (a client that does not keep its connections alive shows)."""
 
     connections = 0
 
+    @abc.abstractmethod
     def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
-        raise NotImplementedError
+        """(each server kind defines it)"""
+
+    @abc.abstractmethod
+    def stats(self) -> dict[str, Any]:
+        """(each server kind defines it)"""
+
+    @abc.abstractmethod
+    def reset_stats(self) -> None:
+        """(each server kind defines it)"""
+
+    # The benchmark's own routes, the same on every sim server.
+    def _control(self, method: bytes, path: bytes) -> _Reply:
+        if path == b"/_sim/stats":
+            return _json_reply(self.stats())
+        if path == b"/_sim/reset" and method == b"POST":
+            self.reset_stats()
+            return _json_reply({"ok": True})
+        return _NOT_FOUND
 
 
 _HEAD_MAX_BYTES = 16 * 1024  # request line and headers (bodies go elsewhere); per connection
@@ -621,13 +640,6 @@ class _DesktopsApp(_App):
         command = json.loads(body).get("command")
         return command == RESET_COMMAND or command == RESET_COMMAND[0]
 
-    def _control(self, method: bytes, path: bytes) -> _Reply:
-        if path == b"/_sim/stats":
-            return _json_reply(self.stats())
-        if path == b"/_sim/reset" and method == b"POST":
-            self.reset_stats()
-            return _json_reply({"ok": True})
-        return _NOT_FOUND
 
 
 # --------------------------------------------------------------------------- model servers
@@ -682,12 +694,7 @@ class _ModelApp(_App):
             return _Reply(200, b"", b"text/plain")
         if path == b"/v1/models":
             return _Reply(200, self._models)
-        if path == b"/_sim/stats":
-            return _json_reply(self.stats())
-        if path == b"/_sim/reset" and method == b"POST":
-            self.reset_stats()
-            return _json_reply({"ok": True})
-        return _NOT_FOUND
+        return self._control(method, path)
 
     def _chat(self, body: bytes | bytearray) -> _Reply:
         cfg = self.cfg

@@ -202,11 +202,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     run = rio.open_run(parser, args.run_dir)
-    out_dir = args.out if args.out is not None else run.path / "plots"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.exit(2, f"{parser.prog}: error: {out_dir}: cannot create ({exc.strerror})\n")
+    out_dir = rio.make_out_dir(parser, args.out if args.out is not None else run.path / "plots")
     if not run.episodes:
         print(f"{run.path}: no finished episodes")
     made = make_plots(run, out_dir)

@@ -523,3 +523,12 @@ def open_run(parser: argparse.ArgumentParser, path: str) -> Run:
         parser.exit(2, f"{parser.prog}: error: {exc}\n")
     report_problems(run.problems)
     return run
+
+
+def make_out_dir(parser: argparse.ArgumentParser, path: Path) -> Path:
+    """Create an output directory for a CLI; one line and exit 2 when it cannot be made."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        parser.exit(2, f"{parser.prog}: error: {path}: cannot create ({exc.strerror})\n")
+    return path

@@ -450,11 +450,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     run = rio.open_run(parser, args.run_dir)
-    out_dir = args.out if args.out is not None else run.path / "viewer"
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        parser.exit(2, f"{parser.prog}: error: {out_dir}: cannot create ({exc.strerror})\n")
+    out_dir = rio.make_out_dir(parser, args.out if args.out is not None else run.path / "viewer")
     if args.task is not None and not any(
         args.task in (e.task_id, f"{e.domain}/{e.task_id}") for e in run.episodes
     ):
