@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import Config
-from monitoring import Metrics
+from rollout.monitoring import Metrics
 from task_loader import EpisodeSpec
 from trajectory_runner import (
     SCORED_STATUSES,

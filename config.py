@@ -17,7 +17,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from errors import ConfigError
+from rollout.errors import ConfigError
 
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegFloat = Annotated[float, Field(ge=0)]

@@ -24,14 +24,14 @@ from typing import Any
 import httpx2
 
 from config import DesktopsConfig, secret_from_env
-from errors import (
+from rollout.errors import (
     ConfigError,
     DesktopError,
     DesktopUnavailable,
     TaskSetupError,
     UnsupportedSetupStep,
 )
-from prompts import Screenshot
+from rollout.screenshot import Screenshot
 from ui_tars_utils import DONE, FAIL, WAIT, execute_command
 
 log = logging.getLogger(__name__)

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from errors import UnsupportedEvaluator
+from rollout.errors import UnsupportedEvaluator
 from ui_tars_utils import FAIL
 
 if TYPE_CHECKING:

@@ -27,8 +27,8 @@ from typing import Any
 import httpx2
 
 from config import ModelConfig, SamplingConfig, secret_from_env
-from errors import ModelRequestError, ModelUnavailable
-from prompts import DataURL
+from rollout.errors import ModelRequestError, ModelUnavailable
+from rollout.screenshot import DataURL
 
 log = logging.getLogger(__name__)
 

@@ -7,17 +7,17 @@ the model client embeds it in request bodies as it is, without JSON-escaping meg
 
 from __future__ import annotations
 
-import base64
-import struct
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Any
 
+from rollout.screenshot import Screenshot
 from ui_tars_utils import add_box_token
+
+__all__ = ["SYSTEM_PROMPT", "Turn", "build_messages", "build_prompt"]
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
-_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 # The action space the model was trained with; coordinates are written as box tokens.
 _ACTION_SPACE = """click(start_box='<|box_start|>(x1,y1)<|box_end|>')
@@ -75,55 +75,6 @@ def build_prompt(
     return _TEMPLATE.format(
         action_space=action_space, language=language, note=extra, instruction=instruction
     )
-
-
-# --------------------------------------------------------------------------- screenshots
-
-
-def png_size(png: bytes) -> tuple[int, int]:
-    """(width, height) from a PNG's IHDR chunk, without decoding the image."""
-    if len(png) < 24 or not png.startswith(_PNG_SIGNATURE) or png[12:16] != b"IHDR":
-        raise ValueError("not a PNG image")
-    width, height = struct.unpack(">II", png[16:24])
-    return width, height
-
-
-class DataURL(str):
-    """A ``data:`` URL whose payload is base64 (made by ``Screenshot.data_url``): its
-    characters need no JSON escaping, so ``json.dumps`` of it is the string in quotes and a
-    request body can embed it as is."""
-
-    __slots__ = ()
-
-
-@dataclass(eq=False)
-class Screenshot:
-    """One observed screen: the PNG bytes and, computed once on first use, its data URL.
-    ``forget_png`` lets the PNG go once it is stored (``png`` is then None)."""
-
-    png: bytes | None
-
-    @cached_property
-    def size(self) -> tuple[int, int]:
-        """(width, height) read from the PNG header."""
-        if self.png is None:
-            raise ValueError("the PNG was forgotten before its size was read")
-        return png_size(self.png)
-
-    @cached_property
-    def data_url(self) -> DataURL:
-        """``data:image/png;base64,...``: encoded once, shared by every request that sends it."""
-        if self.png is None:
-            raise ValueError("the PNG was forgotten before its data URL was made")
-        return DataURL(b"data:image/png;base64," + base64.b64encode(self.png), "ascii")
-
-    def forget_png(self) -> None:
-        """Keep only what requests need (size, data URL: made now if not yet) and let the
-        PNG bytes go, once they are stored: a screenshot in the image window then costs its
-        base64 alone (~470 KB for 1920x1080) instead of PNG and base64 (~820 KB)."""
-        self.size  # noqa: B018 — cached now, while the PNG is still here
-        self.data_url  # noqa: B018
-        self.png = None
 
 
 @dataclass

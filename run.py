@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from config import Config, add_config_arguments, config_from_args
-from errors import ConfigError, InfraError, ModelUnavailable
+from rollout.errors import ConfigError, InfraError, ModelUnavailable
 from task_loader import TaskLoader
 
 log = logging.getLogger("run")
@@ -99,7 +99,8 @@ def _start_ray(cfg: Config) -> bool:
 
 def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
     """Serve the scripted policy from this process; returns its URL."""
-    from scripted_policy import ScriptedPolicy, ThreadedServer, create_app, load_solutions
+    from rollout.http import ThreadedServer
+    from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
 
     source = Path(cfg.tasks.source) if cfg.tasks.source else None
     roots = [source if source is None or source.is_dir() else source.parent]

@@ -34,7 +34,7 @@ from typing import Any
 import httpx
 
 from config import Config, ModelPoolConfig, add_config_arguments, config_from_args
-from errors import ConfigError, ModelUnavailable
+from rollout.errors import ConfigError, ModelUnavailable
 from model_service_pool import ENDPOINTS_FILE
 
 log = logging.getLogger("run_model")

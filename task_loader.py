@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from config import TasksConfig
-from errors import ConfigError
+from rollout.errors import ConfigError
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ from typing import Any
 
 from config import Config
 from env_k8s import RemoteDesktopEnv, lease_client
-from errors import (
+from rollout.errors import (
     ActionParseError,
     DesktopError,
     InfraError,
@@ -31,8 +31,9 @@ from errors import (
     UnsupportedSetupStep,
 )
 from model_service_pool import Generation, ModelServicePool
-from monitoring import Metrics
-from prompts import Screenshot, Turn, build_messages
+from rollout.monitoring import Metrics
+from rollout.screenshot import Screenshot
+from prompts import Turn, build_messages
 from storage_actor import png_parts
 from task_loader import EpisodeSpec
 from ui_tars_utils import DONE, FAIL, WAIT, Action, parse_response, split_terminal, to_pyautogui

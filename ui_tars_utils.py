@@ -11,7 +11,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
-from errors import ActionParseError
+from rollout.errors import ActionParseError
 
 Family = Literal["uitars-1.5", "uitars-1.0"]
 FAMILIES: tuple[str, ...] = ("uitars-1.5", "uitars-1.0")

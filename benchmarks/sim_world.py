@@ -1207,7 +1207,8 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 def _chat_body(history: int) -> bytes:
     """A real request body: ``prompts.build_messages`` over full-size sim screenshots."""
-    from prompts import Screenshot, Turn, build_messages
+    from rollout.screenshot import Screenshot
+    from prompts import Turn, build_messages
 
     shots = [Screenshot(make_screenshot(i)) for i in range(min(history + 1, 6))]
     cfg = ModelSim()

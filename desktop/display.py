@@ -19,7 +19,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from errors import DesktopError
+from rollout.errors import DesktopError
 
 # How often to look again while waiting for the window manager to announce itself.
 _POLL_INTERVAL_S = 0.02

@@ -24,7 +24,7 @@ import httpx
 import psutil
 
 from desktop.display import XvfbDisplay, terminate_process
-from errors import DesktopError
+from rollout.errors import DesktopError
 
 MARKER = "CUA_DESKTOP_ID"
 SESSION_FILE = "session.json"

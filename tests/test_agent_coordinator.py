@@ -20,7 +20,8 @@ import ray
 
 from config import Config, load_config
 from run import Actors, start_actors, stop_actors
-from scripted_policy import ScriptedPolicy, ThreadedServer, create_app, load_solutions
+from rollout.http import ThreadedServer
+from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
 from task_loader import TaskLoader
 from tests.fakes.openai_server import FakeOpenAIServer
 

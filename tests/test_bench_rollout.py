@@ -16,7 +16,8 @@ import pytest
 
 from benchmarks import bench_rollout
 from model_service_pool import _MARK, _Body
-from prompts import DataURL, Screenshot, Turn, build_messages
+from rollout.screenshot import DataURL, Screenshot
+from prompts import Turn, build_messages
 from storage_actor import PART_BYTES, png_parts
 
 

@@ -12,7 +12,7 @@ import yaml
 
 import config as config_module
 from config import Config, load_config, secret_from_env
-from errors import ConfigError
+from rollout.errors import ConfigError
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,9 +21,10 @@ from PIL import Image, ImageChops, ImageDraw
 from config import load_config
 from env_k8s import DesktopPool, RemoteDesktopEnv
 from model_service_pool import ModelServicePool
-from prompts import Screenshot, Turn, build_messages
-from scripted_policy import ScriptedPolicy, create_app, load_solutions
-from tests.fakes.openai_server import ThreadedServer
+from rollout.screenshot import Screenshot
+from prompts import Turn, build_messages
+from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from rollout.http import ThreadedServer
 from ui_tars_utils import DONE, FAIL, WAIT, parse_response, to_pyautogui
 
 ROOT = Path(__file__).resolve().parent.parent

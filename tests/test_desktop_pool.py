@@ -11,7 +11,7 @@ import pytest
 
 from config import DesktopsConfig
 from env_k8s import Desktop, DesktopPool, DesktopProvider
-from errors import DesktopError, DesktopUnavailable
+from rollout.errors import DesktopError, DesktopUnavailable
 from tests import support
 
 

@@ -11,7 +11,7 @@ import pytest
 import evaluators
 from config import DesktopsConfig
 from env_k8s import RemoteDesktopEnv
-from errors import UnsupportedEvaluator
+from rollout.errors import UnsupportedEvaluator
 
 
 class FakeDesktop(RemoteDesktopEnv):

@@ -11,7 +11,7 @@ from collections import Counter
 import pytest
 
 from config import ModelConfig, SamplingConfig
-from errors import ModelRequestError, ModelUnavailable
+from rollout.errors import ModelRequestError, ModelUnavailable
 from model_service_pool import ENDPOINTS_FILE, ModelServicePool
 from tests.fakes.openai_server import FakeOpenAIServer
 

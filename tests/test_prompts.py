@@ -10,7 +10,8 @@ import zlib
 import pytest
 from PIL import Image
 
-from prompts import SYSTEM_PROMPT, Screenshot, Turn, build_messages, build_prompt, png_size
+from rollout.screenshot import Screenshot, png_size
+from prompts import SYSTEM_PROMPT, Turn, build_messages, build_prompt
 from ui_tars_utils import parse_response
 
 

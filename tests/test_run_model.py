@@ -26,7 +26,7 @@ import pytest
 
 import run_model
 from config import ModelConfig, ModelPoolConfig, SamplingConfig
-from errors import ConfigError, ModelRequestError
+from rollout.errors import ConfigError, ModelRequestError
 from model_service_pool import ENDPOINTS_FILE, Generation, ModelServicePool
 from tests.support import unavailable
 

@@ -11,11 +11,12 @@ import pytest
 from PIL import Image
 
 from config import ModelConfig
-from errors import ConfigError
+from rollout.errors import ConfigError
 from model_service_pool import ModelServicePool
-from prompts import Screenshot, Turn, build_messages
-from scripted_policy import ScriptedPolicy, create_app, load_solutions
-from tests.fakes.openai_server import ThreadedServer
+from rollout.screenshot import Screenshot
+from prompts import Turn, build_messages
+from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from rollout.http import ThreadedServer
 from ui_tars_utils import parse_response, to_pyautogui
 
 SOLUTION = [

@@ -28,7 +28,8 @@ from benchmarks.sim_world import (
 from config import DesktopsConfig, ModelConfig, SamplingConfig, StaticDesktopsConfig
 from env_k8s import Desktop, RemoteDesktopEnv, StaticProvider, close_shared_client
 from model_service_pool import ModelServicePool
-from prompts import Screenshot, Turn, build_messages, png_size
+from rollout.screenshot import Screenshot, png_size
+from prompts import Turn, build_messages
 from ui_tars_utils import parse_response, smart_resize
 
 ACTION_S = 0.2

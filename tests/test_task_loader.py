@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from config import DynamicRolloutsConfig, TasksConfig
-from errors import ConfigError
+from rollout.errors import ConfigError
 from task_loader import EpisodeSpec, TaskLoader, dynamic_rollout_n, validate_task
 
 ROOT = Path(__file__).resolve().parent.parent

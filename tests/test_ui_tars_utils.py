@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from errors import ActionParseError
+from rollout.errors import ActionParseError
 from ui_tars_utils import (
     ACTION_KINDS,
     DONE,

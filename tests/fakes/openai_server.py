@@ -15,7 +15,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
-from scripted_policy import ThreadedServer
+from rollout.http import ThreadedServer
 
 
 class FakeOpenAIServer(ThreadedServer):

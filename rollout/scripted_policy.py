@@ -14,7 +14,6 @@ import argparse
 import asyncio
 import json
 import random
-import threading
 import time
 import uuid
 from collections.abc import Iterable
@@ -25,7 +24,7 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
-from errors import ConfigError
+from rollout.errors import ConfigError
 from ui_tars_utils import screen_to_model
 
 MODEL_NAME = "scripted-ui-tars"
@@ -153,51 +152,6 @@ def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"object": "error", "message": message, "type": "BadRequestError",
                          "code": status}, status_code=status)
-
-
-class ThreadedServer:
-    """Any ASGI app served by uvicorn in a thread with its own loop (run.py serves the scripted
-    policy so; tests serve fakes). Port 0 picks a free one, kept across a stop and a start."""
-
-    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.app = app
-        self.host = host
-        self.port = port
-        self._server: uvicorn.Server | None = None
-        self._thread: threading.Thread | None = None
-
-    @property
-    def url(self) -> str:
-        return f"http://{self.host}:{self.port}"
-
-    def start(self, timeout_s: float = 10.0) -> Any:
-        config = uvicorn.Config(
-            self.app, host=self.host, port=self.port, log_level="error", lifespan="off",
-            timeout_graceful_shutdown=1,
-        )
-        self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + timeout_s
-        while not self._server.started:
-            if time.monotonic() > deadline or not self._thread.is_alive():
-                raise RuntimeError(f"{type(self).__name__} did not start")
-            time.sleep(0.01)
-        self.port = self._server.servers[0].sockets[0].getsockname()[1]
-        return self
-
-    def stop(self) -> None:
-        if self._server is not None and self._thread is not None:
-            self._server.should_exit = True
-            self._thread.join(timeout=10)
-            self._server = None
-
-    def __enter__(self) -> Any:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -14,13 +14,38 @@
 
 Lower-level errors (httpx, Ray, OS) are translated into these at module boundaries with
 ``raise ... from exc`` so the cause stays visible.
+
+Each class says how an episode that hit it ends, so no caller keeps an ``except`` ladder:
+``retryable`` (another attempt, on another desktop, may succeed) and ``blames_desktop``
+(the desktop the episode held must be health-checked before it is lent again).
 """
 
 from __future__ import annotations
 
+from typing import ClassVar
+
+__all__ = [
+    "ActionParseError",
+    "ConfigError",
+    "DesktopError",
+    "DesktopUnavailable",
+    "InfraError",
+    "ModelRequestError",
+    "ModelUnavailable",
+    "RolloutError",
+    "TaskSetupError",
+    "UnsupportedEvaluator",
+    "UnsupportedSetupStep",
+]
+
 
 class RolloutError(Exception):
     """Base class of every error this project raises on purpose."""
+
+    retryable: ClassVar[bool] = False
+    """Another attempt of the episode may not hit this error (an infrastructure hiccup)."""
+    blames_desktop: ClassVar[bool] = False
+    """The episode's desktop may be broken: check it before lending it again."""
 
 
 class ConfigError(RolloutError):
@@ -43,6 +68,8 @@ class ActionParseError(RolloutError):
 class InfraError(RolloutError):
     """Infrastructure (desktop, model server, evaluator) failed: not the agent's fault."""
 
+    retryable = True
+
 
 class ModelUnavailable(InfraError):
     """No model endpoint produced a reply within the retry budget."""
@@ -50,6 +77,8 @@ class ModelUnavailable(InfraError):
 
 class DesktopError(InfraError):
     """A desktop request failed or the desktop is not healthy."""
+
+    blames_desktop = True
 
 
 class DesktopUnavailable(DesktopError):
@@ -59,13 +88,19 @@ class DesktopUnavailable(DesktopError):
 class TaskSetupError(DesktopError):
     """A task's setup step failed or cannot run here (e.g. a download that is not cached)."""
 
+    blames_desktop = False  # the task's step failed; the desktop answered
+
 
 class UnsupportedSetupStep(TaskSetupError):
     """A task's ``config`` names a setup step this client does not implement."""
 
+    retryable = False  # every attempt would hit it
+
 
 class UnsupportedEvaluator(InfraError):
     """A task's evaluator names a getter or metric that is not implemented."""
+
+    retryable = False  # every attempt would hit it
 
 
 class ModelRequestError(RolloutError):

@@ -1,0 +1,69 @@
+"""asyncio helpers every actor uses: calling a Ray actor or a local object the same way,
+background tasks that remove themselves when done, and capped, fully jittered backoff."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Coroutine
+from typing import Any
+
+__all__ = ["TaskSet", "backoff_s", "call"]
+
+
+def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
+    """Call ``method`` on a Ray actor handle (an awaitable ObjectRef) or a local object, so
+    each actor runs the same in a Ray cluster and in-process (tests, tools)."""
+    fn = getattr(target, method)
+    if hasattr(fn, "remote"):
+        return fn.remote(*args, **kwargs)
+    return asyncio.ensure_future(fn(*args, **kwargs))
+
+
+class TaskSet:
+    """Background tasks owned by one object; each leaves the set when it ends, so the set
+    holds exactly what still runs (and keeps it from being garbage-collected)."""
+
+    def __init__(self) -> None:
+        self._tasks: set[asyncio.Task[Any]] = set()
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
+        task = asyncio.get_running_loop().create_task(coro)
+        self.add(task)
+        return task
+
+    def add(self, task: asyncio.Future[Any]) -> None:
+        self._tasks.add(task)  # type: ignore[arg-type]
+        task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
+
+    def __iter__(self):  # noqa: ANN204 — a snapshot, so callers may cancel while iterating
+        return iter(list(self._tasks))
+
+    def __len__(self) -> int:
+        return len(self._tasks)
+
+    def __bool__(self) -> bool:
+        return bool(self._tasks)
+
+    async def wait(self, timeout_s: float | None = None) -> set[asyncio.Task[Any]]:
+        """Wait for the tasks running now (at most ``timeout_s``); returns those still running."""
+        if not self._tasks:
+            return set()
+        _, late = await asyncio.wait(list(self._tasks), timeout=timeout_s)
+        return late
+
+    async def cancel_all(self) -> None:
+        """Cancel every task and wait until each has ended."""
+        tasks = list(self._tasks)
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random | None = None
+              ) -> float:
+    """Full-jitter backoff before retry number ``attempt`` (1 for the first retry): uniform
+    in [0, min(max_s, initial_s * 2**(attempt-1))], so clients that failed together do not
+    come back together."""
+    cap = min(max_s, initial_s * 2 ** (attempt - 1))
+    return (rng or random).uniform(0, cap)

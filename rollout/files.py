@@ -1,0 +1,80 @@
+"""Small blocking file helpers shared by the writers (storage, the model fleet's state) and
+readers (task loading, resume): atomic writes, appends, JSON reads that tolerate absence, and
+the repair of a JSONL file a crash cut short. Callers on an event loop run them in a thread."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+__all__ = ["append_text", "read_json", "repair_jsonl_tail", "write_atomic"]
+
+log = logging.getLogger(__name__)
+
+
+def write_atomic(path: Path, data: bytes, *, fsync: bool = False, mode: int = 0o644,
+                 min_mtime_ns: int = 0) -> int:
+    """Write under a temporary name, then rename: a reader never sees half a file.
+
+    ``mode`` is set before the rename (0o600 for a file holding a token). Returns the new
+    file's mtime (ns), made greater than ``min_mtime_ns``, so a reader that watches the mtime
+    never misses an update written within the clock's resolution of the last one."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        st = os.stat(tmp)
+        mtime_ns = st.st_mtime_ns
+        if mtime_ns <= min_mtime_ns:
+            mtime_ns = min_mtime_ns + 1_000
+            os.utime(tmp, ns=(st.st_atime_ns, mtime_ns))
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
+    return mtime_ns
+
+
+def append_text(path: Path, text: str, *, fsync: bool = False) -> None:
+    """Append ``text`` (whole lines) to ``path`` and push it to the OS."""
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        if fsync:
+            os.fsync(f.fileno())
+
+
+def read_json(path: Path) -> Any:
+    """The JSON in ``path``, or None when it is missing or not JSON (a file being replaced
+    atomically is never half-written, so None means absent, unreadable or foreign)."""
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):  # ValueError: not JSON, or not UTF-8
+        return None
+
+
+def repair_jsonl_tail(path: Path) -> int:
+    """Cut a last line that a crash left without its newline (that record is not final and
+    is written again); returns the bytes removed."""
+    try:
+        with open(path, "rb+") as f:
+            data = f.read()
+            if not data or data.endswith(b"\n"):
+                return 0
+            keep = data.rfind(b"\n") + 1
+            f.truncate(keep)
+            log.warning("%s: removed an unfinished last line (%d bytes)", path,
+                        len(data) - keep)
+            return len(data) - keep
+    except FileNotFoundError:
+        return 0

@@ -1,0 +1,90 @@
+"""HTTP pieces shared by the clients (model endpoints, desktops) and the in-process servers
+(the scripted policy, the model fleet's control server, the fakes of the tests and
+benchmarks): one TLS context per process, one reading of an error body, one way to serve an
+ASGI app from a thread."""
+
+from __future__ import annotations
+
+import functools
+import json
+import ssl
+import threading
+import time
+from typing import Any
+
+__all__ = ["ThreadedServer", "error_text", "ssl_context"]
+
+
+@functools.cache
+def ssl_context() -> ssl.SSLContext:
+    """httpx2's default TLS context, built once per process (loading the CA bundle takes
+    ~35 ms, which every new client would otherwise pay)."""
+    import httpx2
+
+    return httpx2.create_ssl_context()
+
+
+def error_text(response: Any, limit: int = 500) -> str:
+    """What an error reply says: OpenAI's ``{"error": {"message": ...}}``, the desktop
+    server's ``{"message": ...}`` / ``{"error": ...}``, FastAPI's ``{"detail": ...}``, else the
+    start of the body. ``response`` is an httpx or httpx2 response."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:limit]
+    if isinstance(body, dict):
+        err = body.get("error")
+        if isinstance(err, dict) and "message" in err:
+            return str(err["message"])[:limit]
+        for key in ("message", "error", "detail"):
+            if body.get(key):
+                return str(body[key])[:limit]
+    return json.dumps(body)[:limit]
+
+
+class ThreadedServer:
+    """Any ASGI app served by uvicorn in a thread with its own loop (run.py serves the scripted
+    policy so; the fleet its control API; tests and benchmarks their fakes). Port 0 picks a
+    free one, kept across a stop and a start."""
+
+    def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.app = app
+        self.host = host
+        self.port = port
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"http://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> ThreadedServer:
+        import uvicorn
+
+        config = uvicorn.Config(
+            self.app, host=self.host, port=self.port, log_level="error", lifespan="off",
+            timeout_graceful_shutdown=1,
+        )
+        self._server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self._server.started:
+            if time.monotonic() > deadline or not self._thread.is_alive():
+                raise RuntimeError(f"{type(self).__name__} did not start")
+            time.sleep(0.01)
+        self.port = self._server.servers[0].sockets[0].getsockname()[1]
+        return self
+
+    def stop(self) -> None:
+        if self._server is not None and self._thread is not None:
+            self._server.should_exit = True
+            self._thread.join(timeout=10)
+            self._server = None
+
+    def __enter__(self) -> ThreadedServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

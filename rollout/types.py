@@ -1,0 +1,116 @@
+"""The episode vocabulary every part shares: what to run (``EpisodeSpec``), how it ended
+(``Status``, ``EpisodeResult``), which statuses are scores of the agent, and the task facts
+several parts read (is it infeasible?). Defined once here; nothing here does I/O."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Mapping
+from dataclasses import asdict, dataclass, field
+from enum import StrEnum
+from typing import Any
+
+__all__ = [
+    "EXCLUDED_STATUSES",
+    "SCORED_STATUSES",
+    "STATUSES",
+    "SUCCESS_REWARD",
+    "EpisodeResult",
+    "EpisodeSpec",
+    "Status",
+    "infra_result",
+    "is_infeasible",
+]
+
+
+class Status(StrEnum):
+    """How an episode ended (DESIGN.md "Episode outcome"); never a bare bool or reward."""
+
+    SUCCESS = "success"          # scored, reward >= SUCCESS_REWARD
+    FAILURE = "failure"          # scored, below it
+    MAX_STEPS = "max_steps"      # the step budget ran out; still scored
+    TIMEOUT = "timeout"          # the episode deadline passed; still scored
+    INFRA_ERROR = "infra_error"  # desktop, model or evaluator broke: never a reward
+    CANCELLED = "cancelled"      # stopped by the user: not recorded, a rerun runs it again
+
+
+STATUSES: tuple[str, ...] = tuple(s.value for s in Status)
+# Statuses whose reward is a score of the agent; the others never feed a success rate.
+SCORED_STATUSES: frozenset[str] = frozenset(
+    {Status.SUCCESS, Status.FAILURE, Status.MAX_STEPS, Status.TIMEOUT})
+EXCLUDED_STATUSES: frozenset[str] = frozenset({Status.INFRA_ERROR, Status.CANCELLED})
+# A reward at least this high is a solved task (evaluators return 1.0 for a full solve;
+# partial credit counts as failure but keeps its reward).
+SUCCESS_REWARD = 1.0
+
+
+def is_infeasible(task: Mapping[str, Any]) -> bool:
+    """OSWorld's infeasible tasks: the evaluator is ``infeasible`` (the agent must give up)."""
+    evaluator = task.get("evaluator")
+    func = evaluator.get("func") if isinstance(evaluator, Mapping) else None
+    return func == "infeasible" or func == ["infeasible"]
+
+
+@dataclass(frozen=True)
+class EpisodeSpec:
+    """One episode to run: rollout ``rollout`` of task ``task_id``. Picklable for Ray."""
+
+    task_id: str
+    domain: str
+    rollout: int
+    task: dict[str, Any] = field(compare=False, repr=False)
+    attempt: int = 0
+    episode_id: str = field(init=False)
+    group: str = field(init=False)
+
+    def __post_init__(self) -> None:
+        # Derived, never passed by hand: the id is the episode's path under the run dir.
+        object.__setattr__(self, "group", f"{self.domain}/{self.task_id}")
+        object.__setattr__(self, "episode_id", f"{self.domain}/{self.task_id}/{self.rollout}")
+
+
+@dataclass
+class EpisodeResult:
+    """How an episode ended; ``record()`` is its results.jsonl line."""
+
+    episode_id: str
+    task_id: str
+    domain: str
+    rollout: int
+    attempt: int
+    status: str
+    reward: float | None
+    steps: int
+    started_at: float
+    ended_at: float
+    instruction: str = ""
+    infeasible: bool = False
+    model_version: str | None = None
+    model_endpoints: list[str] = field(default_factory=list)
+    desktop: str | None = None
+    desktops_tried: list[str] = field(default_factory=list)
+    error: str | None = None
+    retryable: bool = False       # an infra error that another attempt may not hit
+    last_action: str | None = None
+    parse_failures: int = 0
+    timing: dict[str, float] = field(default_factory=dict)
+    runner: str | None = None
+    node: str | None = None
+
+    def record(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["status"] = str(self.status)
+        out["duration_s"] = round(self.ended_at - self.started_at, 4)
+        out.pop("retryable")
+        return out
+
+
+def infra_result(spec: EpisodeSpec, error: str, *, retryable: bool = True,
+                 runner: str | None = None) -> EpisodeResult:
+    """The result of an attempt that never reached (or lost) its runner."""
+    now = time.time()
+    return EpisodeResult(
+        spec.episode_id, spec.task_id, spec.domain, spec.rollout, spec.attempt,
+        Status.INFRA_ERROR, None, 0, now, now, instruction=str(spec.task.get("instruction", "")),
+        infeasible=is_infeasible(spec.task), error=error, retryable=retryable, runner=runner,
+    )
