@@ -28,11 +28,11 @@ import httpx2
 
 from config import ModelConfig, SamplingConfig, secret_from_env
 from rollout.errors import ModelRequestError, ModelUnavailable
+from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.screenshot import DataURL
 
 log = logging.getLogger(__name__)
 
-ENDPOINTS_FILE = "endpoints.json"  # written by run_model.py under model_pool.state_dir
 _STICKY_SESSIONS_MAX = 100_000     # sessions remembered for stickiness (LRU beyond this)
 _STATE_CHECK_INTERVAL_S = 1.0      # how often the state file's mtime is looked at
 

@@ -35,7 +35,7 @@ import httpx
 
 from config import Config, ModelPoolConfig, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, ModelUnavailable
-from model_service_pool import ENDPOINTS_FILE
+from rollout.fleet.state import ENDPOINTS_FILE
 
 log = logging.getLogger("run_model")
 

@@ -9,10 +9,13 @@ import json
 import logging
 import os
 import uuid
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["append_text", "read_json", "repair_jsonl_tail", "write_atomic"]
+__all__ = ["JsonLine", "append_text", "iter_jsonl", "read_json", "repair_jsonl_tail",
+           "write_atomic"]
 
 log = logging.getLogger(__name__)
 
@@ -78,3 +81,25 @@ def repair_jsonl_tail(path: Path) -> int:
             return len(data) - keep
     except FileNotFoundError:
         return 0
+
+
+@dataclass(frozen=True)
+class JsonLine:
+    """One non-blank line of a JSONL text: its 1-based number and either its value or, when
+    it is not JSON (a crash can cut the last line short), why not."""
+
+    number: int
+    value: Any = None
+    error: str | None = None
+
+
+def iter_jsonl(text: str) -> Iterator[JsonLine]:
+    """The non-blank lines of a JSONL text, parsed; a broken line is reported, not raised,
+    so every reader (resume, result tools) skips it the same way and says where it was."""
+    for number, raw in enumerate(text.splitlines(), start=1):
+        if not raw.strip():
+            continue
+        try:
+            yield JsonLine(number, json.loads(raw))
+        except json.JSONDecodeError as exc:
+            yield JsonLine(number, error=f"invalid JSON: {exc.msg}")
