@@ -20,15 +20,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from config import Config
+from rollout.aio import TaskSet, call
 from rollout.monitoring import Metrics
-from task_loader import EpisodeSpec
-from trajectory_runner import (
-    SCORED_STATUSES,
-    EpisodeResult,
-    TrajectoryRunner,
-    _call,
-    infra_result,
-)
+from rollout.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
+from trajectory_runner import TrajectoryRunner
+
+__all__ = ["AgentCoordinator"]
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +72,7 @@ class AgentCoordinator:
         self._runner_ids = itertools.count()
         self._batch: set[str] = set()
         self._finished: list[dict[str, Any]] = []    # not yet handed to poll()
-        self._tasks: set[asyncio.Task[Any]] = set()
+        self._tasks = TaskSet()
         self._wake: asyncio.Event | None = None
         self._idle: asyncio.Event | None = None
         self._draining = False
@@ -122,7 +119,7 @@ class AgentCoordinator:
             "episodes_queued": len(self._queue),
             "episodes_in_flight": len(self._in_flight),
             "episodes_done": sum(self.counters[f"status_{s}"] for s in
-                                 (*SCORED_STATUSES, "infra_error")),
+                                 (*SCORED_STATUSES, Status.INFRA_ERROR)),
             "episodes_by_status": {s.removeprefix("status_"): n for s, n in self.counters.items()
                                    if s.startswith("status_")},
             "retries": self.counters["retries"],
@@ -151,7 +148,7 @@ class AgentCoordinator:
         self._draining = True
         self._cancelling = True
         counts = await asyncio.gather(
-            *(_call(r.handle, "cancel") for r in self._runners if r.alive),
+            *(call(r.handle, "cancel") for r in self._runners if r.alive),
             return_exceptions=True,
         )
         return sum(c for c in counts if isinstance(c, int))
@@ -176,11 +173,9 @@ class AgentCoordinator:
     async def shutdown(self) -> dict[str, Any]:
         """Stop the loops and the runners (after ``drain``). Returns final statistics."""
         await self._refresh_stats(write=True)
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self._tasks.cancel_all()
         runners = [r for r in self._runners if r.alive]
-        await asyncio.gather(*(_call(r.handle, "close") for r in runners),
+        await asyncio.gather(*(call(r.handle, "close") for r in runners),
                              return_exceptions=True)
         if self.use_ray:
             import ray
@@ -193,10 +188,7 @@ class AgentCoordinator:
     # ----------------------------------------------------------------- scheduling
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
-        task = asyncio.get_running_loop().create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-        return task
+        return self._tasks.spawn(coro)
 
     def _changed(self) -> None:
         """Something that scheduling depends on changed: let the dispatcher look again."""
@@ -272,7 +264,7 @@ class AgentCoordinator:
     async def _run(self, spec: EpisodeSpec, avoid: list[str], runner: _Runner) -> None:
         try:
             try:
-                result: EpisodeResult = await _call(runner.handle, "run_episode", spec, avoid)
+                result: EpisodeResult = await call(runner.handle, "run_episode", spec, avoid)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
@@ -297,7 +289,7 @@ class AgentCoordinator:
                 # Its desktops were leased to episodes that no longer run: give them back
                 # (the pool resets them before anyone else gets them).
                 with contextlib.suppress(Exception):
-                    await _call(self.desktop_pool, "release_owned", f"{runner.id}/", True)
+                    await call(self.desktop_pool, "release_owned", f"{runner.id}/", True)
             return infra_result(spec, f"runner {runner.id} died: {type(exc).__name__}",
                                 runner=runner.id)
         log.error("episode %s: runner call failed: %r", spec.episode_id, exc)
@@ -306,12 +298,14 @@ class AgentCoordinator:
 
     async def _handle_result(self, spec: EpisodeSpec, result: EpisodeResult) -> None:
         cfg = self.cfg.coordinator
-        if result.status == "cancelled" or (self._cancelling and result.status == "infra_error"):
+        if result.status == Status.CANCELLED or (
+                self._cancelling and result.status == Status.INFRA_ERROR):
             # Not recorded: a rerun of the same command runs it again.
             self.counters["cancelled"] += 1
             self._batch.discard(spec.episode_id)
             return
-        if result.status == "infra_error" and result.retryable and spec.attempt < cfg.max_retries:
+        if (result.status == Status.INFRA_ERROR and result.retryable
+                and spec.attempt < cfg.max_retries):
             self.counters["retries"] += 1
             self._metrics.retry()
             log.info("episode %s attempt %d: %s; retrying", spec.episode_id, spec.attempt,
@@ -326,7 +320,7 @@ class AgentCoordinator:
             self._rewards_sum += result.reward
             self._rewards_n += 1
         self._metrics.episode(result.status, spec.domain)
-        await _call(self.storage, "record_result", record)
+        await call(self.storage, "record_result", record)
         self._finished.append(record)
 
     def _success_rate(self) -> float | None:
@@ -352,7 +346,7 @@ class AgentCoordinator:
 
         async def one(target: Any, method: str) -> Any:
             try:
-                return await asyncio.wait_for(_call(target, method), _STATS_TIMEOUT_S)
+                return await asyncio.wait_for(call(target, method), _STATS_TIMEOUT_S)
             except Exception:  # a dying actor simply gives no statistics
                 return None
 
@@ -393,7 +387,7 @@ class AgentCoordinator:
         sample = self.stats()
         self._metrics.sample(sample)
         if write:
-            await _call(self.storage, "write_metrics", sample)
+            await call(self.storage, "write_metrics", sample)
 
 
 def _step_split(stats: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -19,6 +19,14 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from rollout.errors import ConfigError
 
+__all__ = [
+    "Config", "CoordinatorConfig", "DesktopsConfig", "DynamicRolloutsConfig",
+    "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig", "ModelPoolConfig",
+    "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig", "SamplingConfig",
+    "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "add_config_arguments",
+    "config_from_args", "load_config", "main", "secret_from_env",
+]
+
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]

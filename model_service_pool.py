@@ -1,21 +1,16 @@
-"""The set of model endpoints, their health, and routing of chat generations to them.
-
-Runners call ``generate`` in their own process: request bodies (screenshots included) go
-straight to a vLLM server over one shared ``httpx2.AsyncClient``, with no extra hop. A body
-is JSON text around the screenshots' data URLs, which are sent as they are (``_Body``): the
-megabytes of base64 are neither escaped again nor copied into one buffer per request.
-"""
+"""The model client: model endpoints, their health, and the routing of chat generations to
+them over the wire format of ``rollout.openai_protocol``. Screenshot data URLs are sent as they
+are (``RequestBody``), so megabytes of base64 are neither escaped again nor copied per request."""
 
 from __future__ import annotations
 
 import abc
 import asyncio
 import contextlib
-import functools
+import dataclasses
 import json
 import logging
 import random
-import ssl
 import time
 import uuid
 from collections import OrderedDict
@@ -27,9 +22,31 @@ from typing import Any
 import httpx2
 
 from config import ModelConfig, SamplingConfig, secret_from_env
+from rollout.aio import backoff_s
 from rollout.errors import ModelRequestError, ModelUnavailable
 from rollout.fleet.state import ENDPOINTS_FILE
+from rollout.http import error_text, ssl_context
+from rollout.openai_protocol import (
+    CHAT_COMPLETIONS_PATH,
+    HEALTH_PATH,
+    chat_request_body,
+    parse_chat_completion,
+)
 from rollout.screenshot import DataURL
+
+__all__ = [
+    "ENDPOINTS_FILE",
+    "IMAGE_MARK",
+    "Endpoint",
+    "Generation",
+    "LeastOutstandingPolicy",
+    "ModelServicePool",
+    "RequestBody",
+    "RoundRobinPolicy",
+    "RoutingPolicy",
+    "StickyLeastOutstandingPolicy",
+    "make_policy",
+]
 
 log = logging.getLogger(__name__)
 
@@ -63,21 +80,12 @@ class Endpoint:
     draining: bool = False          # set by run_model.py during a rolling reload
     outstanding: int = 0            # requests in flight from this process
     served: int = 0
-    failures: int = 0               # consecutive
+    consecutive_failures: int = 0
     ejected: bool = False
     last_error: str | None = None
 
     def snapshot(self) -> dict[str, Any]:
-        return {
-            "url": self.url,
-            "model_version": self.model_version,
-            "draining": self.draining,
-            "outstanding": self.outstanding,
-            "served": self.served,
-            "consecutive_failures": self.failures,
-            "ejected": self.ejected,
-            "last_error": self.last_error,
-        }
+        return dataclasses.asdict(self)
 
 
 # --------------------------------------------------------------------------- routing policies
@@ -212,30 +220,17 @@ class ModelServicePool:
     ) -> Generation:
         """One chat completion. Transient failures are retried on another endpoint with
         capped, fully jittered backoff; a 4xx raises ``ModelRequestError`` at once."""
-        s = sampling or self.cfg.sampling
-        body: dict[str, Any] = {
-            "model": self.cfg.name,
-            "messages": messages,
-            "temperature": s.temperature,
-            "top_p": s.top_p,
-            "max_tokens": s.max_tokens,
-            "frequency_penalty": s.frequency_penalty,
-        }
-        if s.seed is not None:
-            body["seed"] = s.seed
-        if s.logprobs:
-            body["logprobs"] = True
-        if s.return_token_ids:
-            body["return_token_ids"] = True
-        content = _Body(body)  # serialised once, whatever the retries
+        body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling)
+        content = RequestBody(body)  # serialised once, whatever the retries
         self.requests += 1
         tried: set[str] = set()
         last_error = "no attempt made"
         for attempt in range(self.cfg.retries + 1):
             if attempt:
                 self.retries += 1
-                cap = min(self.cfg.backoff_max_s, self.cfg.backoff_initial_s * 2 ** (attempt - 1))
-                await asyncio.sleep(self._rng.uniform(0, cap))
+                await asyncio.sleep(backoff_s(
+                    attempt, self.cfg.backoff_initial_s, self.cfg.backoff_max_s, self._rng
+                ))
             endpoint = self._pick(session_id, avoid=tried)
             tried.add(endpoint.url)
             try:
@@ -293,7 +288,7 @@ class ModelServicePool:
                 ),
                 limits=httpx2.Limits(max_connections=n, max_keepalive_connections=n),
                 headers=headers,
-                verify=_ssl_context(),
+                verify=ssl_context(),
             )
             self._clients[endpoint.url] = client
         return client
@@ -312,13 +307,13 @@ class ModelServicePool:
         fresh = [e for e in live if e.url not in avoid]
         return self.policy.choose(fresh or live, session_id)
 
-    async def _send(self, endpoint: Endpoint, content: _Body, attempt: int) -> Generation:
+    async def _send(self, endpoint: Endpoint, content: RequestBody, attempt: int) -> Generation:
         endpoint.outstanding += 1
         started = self._clock()
         try:
             try:
                 response = await self._http(endpoint).post(
-                    endpoint.url + "/v1/chat/completions",
+                    endpoint.url + CHAT_COMPLETIONS_PATH,
                     content=content,
                     headers={"Content-Type": "application/json",
                              "Content-Length": str(content.length)},
@@ -329,33 +324,45 @@ class ModelServicePool:
                 raise self._failed(endpoint, f"{type(exc).__name__}: {exc}") from exc
             if response.status_code >= 500 or response.status_code == 429:
                 raise self._failed(
-                    endpoint, f"HTTP {response.status_code}: {_server_message(response)}"
+                    endpoint, f"HTTP {response.status_code}: {error_text(response)}"
                 )
             if response.status_code >= 400:
                 # The request itself is wrong (too long, images to a text model ...).
-                endpoint.failures = 0
+                endpoint.consecutive_failures = 0
                 raise ModelRequestError(
-                    response.status_code, _server_message(response), endpoint.url
+                    response.status_code, error_text(response), endpoint.url
                 )
             try:
-                generation = _parse_completion(response.json(), endpoint)
-            except (ValueError, KeyError, IndexError, TypeError) as exc:
+                # Not JSON, or JSON but not a completion: both raise ValueError.
+                reply = parse_chat_completion(response.content)
+            except ValueError as exc:
                 raise self._failed(endpoint, f"malformed reply: {exc}") from exc
-            generation.latency_s = self._clock() - started
-            generation.attempts = attempt
-            endpoint.failures = 0
+            endpoint.consecutive_failures = 0
             endpoint.served += 1
-            return generation
+            return Generation(
+                text=reply.text,
+                endpoint=endpoint.url,
+                model_version=endpoint.model_version or reply.model,
+                latency_s=self._clock() - started,
+                prompt_tokens=reply.prompt_tokens,
+                completion_tokens=reply.completion_tokens,
+                finish_reason=reply.finish_reason,
+                attempts=attempt,
+                token_ids=reply.token_ids,
+                prompt_token_ids=reply.prompt_token_ids,
+                logprobs=reply.logprobs,
+            )
         finally:
             endpoint.outstanding -= 1
 
     def _failed(self, endpoint: Endpoint, reason: str) -> _Transient:
-        endpoint.failures += 1
+        endpoint.consecutive_failures += 1
         endpoint.last_error = reason
-        if endpoint.failures >= self.cfg.endpoint_failures_to_eject and not endpoint.ejected:
+        failures = endpoint.consecutive_failures
+        if failures >= self.cfg.endpoint_failures_to_eject and not endpoint.ejected:
             endpoint.ejected = True
             log.warning("model endpoint %s taken out after %d failures: %s",
-                        endpoint.url, endpoint.failures, reason)
+                        endpoint.url, failures, reason)
             self._ensure_reprobe()
         return _Transient(reason)
 
@@ -370,13 +377,13 @@ class ModelServicePool:
             for endpoint in [e for e in self._endpoints.values() if e.ejected]:
                 try:
                     r = await self._http(endpoint).get(
-                        endpoint.url + "/health", timeout=self.cfg.connect_timeout_s
+                        endpoint.url + HEALTH_PATH, timeout=self.cfg.connect_timeout_s
                     )
                 except httpx2.HTTPError:
                     continue
                 if r.status_code == 200:
                     endpoint.ejected = False
-                    endpoint.failures = 0
+                    endpoint.consecutive_failures = 0
                     log.info("model endpoint %s is back", endpoint.url)
 
     def _refresh_from_state_file(self) -> None:
@@ -419,19 +426,12 @@ class ModelServicePool:
                     task.add_done_callback(self._closing.discard)
 
 
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    """httpx2's default TLS context, built once per process (loading the CA bundle takes
-    ~35 ms, which every new client would otherwise pay)."""
-    return httpx2.create_ssl_context()
-
-
 # Stands in for a data URL while the rest of a body is serialised; letters, digits and
 # underscores only, so JSON leaves it as it is, and random, so no prompt text contains it.
-_MARK = f"cua_image_{uuid.uuid4().hex}_"
+IMAGE_MARK = f"cua_image_{uuid.uuid4().hex}_"
 
 
-class _Body:
+class RequestBody:
     """A request body as the pieces of ``json.dumps(body)``: the JSON text around the
     ``DataURL`` strings of the messages' images, and those strings themselves, which JSON
     escaping leaves unchanged. Serialising them again would cost ~1 ms per 500 KB image per
@@ -443,11 +443,11 @@ class _Body:
     def __init__(self, body: dict[str, Any]) -> None:
         urls: list[DataURL] = []
         text = json.dumps({**body, "messages": _mark_images(body["messages"], urls)})
-        parts = text.split(_MARK) if urls else [text]
+        parts = text.split(IMAGE_MARK) if urls else [text]
         if len(parts) != 2 * len(urls) + 1:  # the mark occurs elsewhere: serialise it all
             self._pieces: list[bytes | DataURL] = [json.dumps(body).encode()]
         else:
-            # parts: text, index, text, index, ..., text (the marks are "<_MARK>i<_MARK>")
+            # parts: text, index, text, index, ..., text (the marks are "<IMAGE_MARK>i<IMAGE_MARK>")
             self._pieces = [parts[0].encode()]
             for i, url in enumerate(urls):
                 if parts[2 * i + 1] != str(i):
@@ -478,48 +478,10 @@ def _mark_images(messages: list[dict[str, Any]], urls: list[DataURL]) -> list[An
             image = part.get("image_url") if isinstance(part, dict) else None
             url = image.get("url") if isinstance(image, dict) else None
             if type(url) is DataURL:
-                parts.append({**part, "image_url": {**image, "url": f"{_MARK}{len(urls)}{_MARK}"}})
+                mark = f"{IMAGE_MARK}{len(urls)}{IMAGE_MARK}"
+                parts.append({**part, "image_url": {**image, "url": mark}})
                 urls.append(url)
             else:
                 parts.append(part)
         out.append({**message, "content": parts})
     return out
-
-
-def _server_message(response: httpx2.Response) -> str:
-    """The error text of an OpenAI-style error body, else the start of the body."""
-    try:
-        body = response.json()
-    except ValueError:
-        return response.text[:500]
-    if isinstance(body, dict):
-        err = body.get("error", body)
-        if isinstance(err, dict) and "message" in err:
-            return str(err["message"])
-        if isinstance(err, str):
-            return err
-        if "message" in body:
-            return str(body["message"])
-    return json.dumps(body)[:500]
-
-
-def _parse_completion(body: dict[str, Any], endpoint: Endpoint) -> Generation:
-    choice = body["choices"][0]
-    message = choice["message"]
-    usage = body.get("usage") or {}
-    logprobs = None
-    if choice.get("logprobs") and choice["logprobs"].get("content") is not None:
-        logprobs = [float(t["logprob"]) for t in choice["logprobs"]["content"]]
-    return Generation(
-        text=message.get("content") or "",
-        endpoint=endpoint.url,
-        model_version=endpoint.model_version or body.get("model"),
-        latency_s=0.0,
-        prompt_tokens=int(usage.get("prompt_tokens", 0)),
-        completion_tokens=int(usage.get("completion_tokens", 0)),
-        finish_reason=choice.get("finish_reason"),
-        attempts=1,
-        token_ids=choice.get("token_ids"),
-        prompt_token_ids=body.get("prompt_token_ids"),
-        logprobs=logprobs,
-    )

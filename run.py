@@ -27,8 +27,14 @@ from pathlib import Path
 from typing import Any
 
 from config import Config, add_config_arguments, config_from_args
-from rollout.errors import ConfigError, InfraError, ModelUnavailable
+from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
+from rollout.fleet.state import ENDPOINTS_FILE
+from rollout.progress import Progress
+from rollout.types import SCORED_STATUSES
 from task_loader import TaskLoader
+
+__all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
+           "print_summary", "run", "start_actors", "stop_actors"]
 
 log = logging.getLogger("run")
 
@@ -39,13 +45,7 @@ _POLL_INTERVAL_S = 0.5
 _CALL_TIMEOUT_S = 60.0
 # A model endpoint has this long to answer /v1/models before the run starts.
 _ENDPOINT_PROBE_TIMEOUT_S = 10.0
-# Status lines when no progress bar is shown (not a terminal, or progress_bar: false).
-_STATUS_LINE_INTERVAL_S = 10.0
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
-
-
-class FatalSetupError(Exception):
-    """The run cannot start; the message is the one line the user sees."""
 
 
 # --------------------------------------------------------------------------- set-up
@@ -149,8 +149,6 @@ def _probe_endpoints(cfg: Config) -> None:
 def _model_state_dir(cfg: Config) -> str | None:
     if cfg.model.endpoints:
         return None
-    from model_service_pool import ENDPOINTS_FILE
-
     state = Path(cfg.model_pool.state_dir).resolve()
     if not (state / ENDPOINTS_FILE).is_file():
         raise FatalSetupError(
@@ -170,72 +168,20 @@ def _absolute_paths(cfg: Config) -> Config:
     return cfg.model_copy(update={"desktops": desktops})
 
 
-# --------------------------------------------------------------------------- progress
-
-
-class _Progress:
-    """A rich progress bar on a terminal; status lines otherwise."""
-
-    def __init__(self, enabled: bool, total: int, done_before: int) -> None:
-        self.live = enabled and sys.stderr.isatty()
-        self._last_line = 0.0
-        self._bar = None
-        if self.live:
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                Progress,
-                TextColumn,
-                TimeElapsedColumn,
-            )
-
-            self._bar = Progress(TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
-                                 transient=False)
-            self._task = self._bar.add_task("episodes", total=total, completed=done_before,
-                                            info="")
-            self._bar.start()
-
-    def update(self, done: int, total: int, stats: dict[str, Any], note: str = "") -> None:
-        rate = stats.get("success_rate")
-        desktops = stats.get("desktops") or {}
-        info = (f"success {'-' if rate is None else f'{rate:.0%}'}  "
-                f"steps/s {stats.get('steps_per_s', 0):.2f}  "
-                f"desktops busy {desktops.get('leased', 0)}/"
-                f"{sum(desktops.values()) if desktops else 0}  "
-                f"model in-flight {stats.get('model_in_flight', 0)}  "
-                f"running {stats.get('episodes_in_flight', 0)}"
-                + (f"  retries {stats['retries']}" if stats.get("retries") else "")
-                + (f"  [{note}]" if note else ""))
-        if self._bar is not None:
-            self._bar.update(self._task, completed=done, total=total, info=info)
-        elif time.monotonic() - self._last_line >= _STATUS_LINE_INTERVAL_S:
-            self._last_line = time.monotonic()
-            print(f"episodes {done}/{total}  {info}", file=sys.stderr, flush=True)
-
-    def close(self) -> None:
-        if self._bar is not None:
-            self._bar.stop()
-
-
 # --------------------------------------------------------------------------- summary
 
 
 def print_summary(run_dir: Path) -> dict[str, Any] | None:
     """The per-domain table of the whole run (resumed episodes included), as
     scripts/show_result.py prints it; returns its figures (for run.json)."""
-    scripts = str(ROOT / "scripts")
-    if scripts not in sys.path:
-        sys.path.insert(0, scripts)
-    import results_io
-    import show_result
+    from rollout.results import load_run, print_table, summarize
 
-    loaded = results_io.load_run(run_dir)
+    loaded = load_run(run_dir)
     if not loaded.episodes:
         print(f"{run_dir}: no finished episodes")
         return None
-    summary = show_result.summarize(loaded)
-    show_result.print_table(summary)
+    summary = summarize(loaded)
+    print_table(summary)
     return summary
 
 
@@ -377,7 +323,7 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
     next_task_poll = 0.0
     done_before: int | None = None
     done = 0
-    progress: _Progress | None = None
+    progress: Progress | None = None
     drained = cancelled = False
     try:
         while True:
@@ -399,12 +345,12 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                 done += 1
                 loader.record_result(record["task_id"], record["domain"],
                                      record.get("reward") if record.get("status") in
-                                     ("success", "failure", "max_steps", "timeout") else None)
+                                     SCORED_STATUSES else None)
             stats = out["stats"]
             total = loader.total_known()
             before = done_before or 0
             if progress is None:
-                progress = _Progress(cfg.monitoring.progress_bar, total, before)
+                progress = Progress(cfg.monitoring.progress_bar, total, before)
             note = "draining" if drained and not cancelled else ("cancelling" if cancelled
                                                                  else "")
             progress.update(before + done, total, stats, note)

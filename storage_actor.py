@@ -11,14 +11,12 @@ call waits for room, which is the backpressure runners feel when the disk falls 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
-import os
 import shutil
 import time
-import uuid
 import zlib
+from collections.abc import Awaitable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,13 +25,24 @@ import aiofiles
 import aiofiles.os
 
 from config import StorageConfig
+from rollout.aio import call
+from rollout.files import append_text, read_json, repair_jsonl_tail, write_atomic
+from rollout.layout import (
+    EPISODE_FILE,
+    MESSAGES_FILE,
+    METRICS_FILE,
+    OSWORLD_RESULT_FILE,
+    RESULTS_FILE,
+    RUN_FILE,
+    TASK_CONFIG_FILE,
+    TRAJ_FILE,
+)
+
+__all__ = ["PART_BYTES", "EpisodeWriter", "StorageActor", "png_parts"]
 
 log = logging.getLogger(__name__)
 
-RESULTS_FILE = "results.jsonl"
-METRICS_FILE = "metrics.jsonl"
-RUN_FILE = "run.json"
-# Size of the parts a screenshot is sent in (write_step_parts): below Ray's inline limit for
+# Size of the parts a screenshot is sent in (write_step): below Ray's inline limit for
 # call arguments (max_direct_call_object_size, 100 KiB by default) with room for framing.
 PART_BYTES = 64 * 1024
 # Writers per actor: episodes are hashed over them, so disk latency of one episode's file
@@ -77,8 +86,8 @@ class StorageActor:
         run.json (status ``running``). Returns what the repair found."""
         self._ensure_writers()
         await aiofiles.os.makedirs(self.run_dir, exist_ok=True)
-        cut = await asyncio.to_thread(_repair_tail, self.run_dir / RESULTS_FILE)
-        previous = await asyncio.to_thread(_read_json, self.run_dir / RUN_FILE)
+        cut = await asyncio.to_thread(repair_jsonl_tail, self.run_dir / RESULTS_FILE)
+        previous = await asyncio.to_thread(read_json, self.run_dir / RUN_FILE)
         self._run_info = {
             **info,
             "run_dir": str(self.run_dir),
@@ -114,27 +123,16 @@ class StorageActor:
         episode_id: str,
         attempt: int,
         record: dict[str, Any] | None,
-        png: bytes | None = None,
-        png_name: str | None = None,
-    ) -> None:
-        """Append a traj.jsonl line (``record``) and/or write a screenshot ``png_name``."""
-        await self._put(_Job("step", episode_id, attempt,
-                             {"record": record, "png": png, "png_name": png_name}))
-
-    async def write_step_parts(
-        self,
-        episode_id: str,
-        attempt: int,
-        record: dict[str, Any] | None,
         png_name: str | None = None,
         *png_parts: bytes,
     ) -> None:
-        """``write_step`` with the PNG cut in parts of at most ``PART_BYTES``, one argument
+        """Append a traj.jsonl line (``record``) and/or write the screenshot ``png_name``,
+        whose PNG comes cut in parts of at most ``PART_BYTES`` (``png_parts``), one argument
         each. Ray carries an argument up to 100 KiB inside the call's message; a bigger one
         goes through the object store (a put, raylet round trips, a fetch): a 350 KB
         screenshot costs ~6 ms of CPU over the caller, the raylet and this actor that way,
         ~3 ms as six inline parts (measured with two actors on this project's 2-core
-        machine)."""
+        machine). ``EpisodeWriter.step`` cuts them."""
         await self._put(_Job("step", episode_id, attempt,
                              {"record": record, "png": list(png_parts) if png_parts else None,
                               "png_name": png_name}))
@@ -225,7 +223,7 @@ class StorageActor:
         if job.kind == "flush":
             return
         if job.kind == "metrics":
-            await asyncio.to_thread(_append, self.run_dir / METRICS_FILE,
+            await asyncio.to_thread(append_text, self.run_dir / METRICS_FILE,
                                     _dumps(job.payload["sample"]) + "\n")
             self.counters["metrics"] += 1
             return
@@ -242,8 +240,8 @@ class StorageActor:
             self._dirs.pop(job.episode_id, None)
             assert self._results_lock is not None
             async with self._results_lock:
-                await asyncio.to_thread(_append, self.run_dir / RESULTS_FILE,
-                                        _dumps(record) + "\n", self.cfg.fsync)
+                await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
+                                        _dumps(record) + "\n", fsync=self.cfg.fsync)
             self.counters["results"] += 1
             return
         if self._attempts.get(job.episode_id) != job.attempt:
@@ -253,10 +251,8 @@ class StorageActor:
             return
         directory = self._episode_dir(job.episode_id)
         if job.kind == "step":
-            png, name = job.payload["png"], job.payload["png_name"]
-            if isinstance(png, list):  # sent in chunks (see write_step)
-                png = b"".join(png)
-            png = png if png is not None and name else None
+            parts, name = job.payload["png"], job.payload["png_name"]
+            png = b"".join(parts) if parts and name else None  # sent in parts (write_step)
             record = job.payload["record"]
             line = _dumps(record) + "\n" if record is not None else None
             await asyncio.to_thread(_step, directory, name, png, line, self.cfg.fsync)
@@ -267,90 +263,84 @@ class StorageActor:
                 self.counters["steps"] += 1
         elif job.kind == "finish":
             record = job.payload["record"]
-            files = [("episode.json", json.dumps(record, indent=2, ensure_ascii=False,
-                                                 default=str).encode())]
+            files = [(EPISODE_FILE, json.dumps(record, indent=2, ensure_ascii=False,
+                                               default=str).encode())]
             if record.get("reward") is not None:
-                files.append(("result.txt", f"{float(record['reward'])}\n".encode()))
+                files.append((OSWORLD_RESULT_FILE, f"{float(record['reward'])}\n".encode()))
             messages = job.payload["messages"]
             if messages is not None and self.cfg.save_messages:
-                files.append(("messages.json", json.dumps(messages, ensure_ascii=False).encode()))
+                files.append((MESSAGES_FILE, json.dumps(messages, ensure_ascii=False).encode()))
             await asyncio.to_thread(_write_files, directory, files, self.cfg.fsync)
             self.counters["episodes"] += 1
 
     async def _write_atomic(self, path: Path, data: bytes) -> None:
-        await asyncio.to_thread(_write_atomic, path, data, self.cfg.fsync)
+        await asyncio.to_thread(write_atomic, path, data, fsync=self.cfg.fsync)
 
 
 # ----------------------------------------------------------------- file work (in threads)
 
 
-def _write_atomic(path: Path, data: bytes, fsync: bool = False) -> None:
-    """Write under a temporary name, then rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            if fsync:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.remove(tmp)
-        raise
-
-
-def _append(path: Path, text: str, fsync: bool = False) -> None:
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
-
-
 def _begin(directory: Path, task: bytes, fsync: bool) -> None:
     shutil.rmtree(directory, ignore_errors=True)
     directory.mkdir(parents=True, exist_ok=True)
-    _write_atomic(directory / "task_config.json", task, fsync)
+    write_atomic(directory / TASK_CONFIG_FILE, task, fsync=fsync)
 
 
 def _step(directory: Path, name: str | None, png: bytes | None, line: str | None,
           fsync: bool) -> None:
     if png is not None and name:
-        _write_atomic(directory / name, png, fsync)
+        write_atomic(directory / name, png, fsync=fsync)
     if line is not None:
-        _append(directory / "traj.jsonl", line)
+        append_text(directory / TRAJ_FILE, line)
 
 
 def _write_files(directory: Path, files: list[tuple[str, bytes]], fsync: bool) -> None:
     for name, data in files:
-        _write_atomic(directory / name, data, fsync)
+        write_atomic(directory / name, data, fsync=fsync)
 
 
 def png_parts(png: bytes) -> list[bytes]:
-    """``png`` cut in ``PART_BYTES`` pieces for ``write_step_parts``."""
+    """``png`` cut in ``PART_BYTES`` pieces, the arguments of ``write_step``."""
     return [png[i:i + PART_BYTES] for i in range(0, len(png), PART_BYTES)]
 
 
-def _repair_tail(path: Path) -> int:
-    """Cut a last line that a crash left without its newline (that episode is not finished
-    and runs again); returns the bytes removed."""
-    try:
-        with open(path, "rb+") as f:
-            data = f.read()
-            if not data or data.endswith(b"\n"):
-                return 0
-            keep = data.rfind(b"\n") + 1
-            f.truncate(keep)
-            log.warning("%s: removed an unfinished last line (%d bytes)", path,
-                        len(data) - keep)
-            return len(data) - keep
-    except FileNotFoundError:
-        return 0
+# ----------------------------------------------------------------- the runner's side
 
 
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (FileNotFoundError, json.JSONDecodeError):
-        return None
+class EpisodeWriter:
+    """A runner's handle on the files of one episode attempt in the storage actor (a Ray
+    actor handle or a local ``StorageActor``). Calls go out in order with one in flight: the
+    files are written in step order, and a storage that falls behind slows this episode down
+    instead of piling screenshots up in the runner's memory."""
+
+    def __init__(self, storage: Any, episode_id: str, attempt: int) -> None:
+        self.storage = storage
+        self.episode_id = episode_id
+        self.attempt = attempt
+        self._pending: Awaitable[Any] | None = None
+
+    async def begin(self, task: dict[str, Any]) -> None:
+        """Start the attempt's directory (and wait until it is started)."""
+        await self._send("begin_episode", task)
+        await self.flush()
+
+    async def step(self, record: dict[str, Any] | None, png_name: str | None = None,
+                   png: bytes | None = None) -> None:
+        """A traj.jsonl line and/or the screenshot ``png_name``."""
+        await self._send("write_step", record, png_name,
+                         *(png_parts(png) if png is not None and png_name else ()))
+
+    async def finish(self, record: dict[str, Any],
+                     messages: list[dict[str, Any]] | None) -> None:
+        """episode.json, result.txt and messages.json of the attempt."""
+        await self._send("finish_episode", record, messages)
+
+    async def flush(self) -> None:
+        """Wait for the call in flight."""
+        if self._pending is not None:
+            pending, self._pending = self._pending, None
+            await pending
+
+    async def _send(self, method: str, *args: Any) -> None:
+        await self.flush()
+        self._pending = call(self.storage, method, self.episode_id, self.attempt, *args)

@@ -13,44 +13,28 @@ import logging
 import os
 from collections import deque
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from config import TasksConfig
 from rollout.errors import ConfigError
+from rollout.files import iter_jsonl
+from rollout.layout import RESULTS_FILE
+from rollout.types import SCORED_STATUSES, EpisodeSpec
+
+__all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
+           "validate_task"]
 
 logger = logging.getLogger(__name__)
 
-RESULTS_FILE = "results.jsonl"
 DEFAULT_DOMAIN = "default"
-# Statuses whose reward is a score of the agent (DESIGN.md "Episode outcome"); the others
-# (infra_error, cancelled, ...) never feed the success rate.
-_SCORED_STATUSES = frozenset({"success", "failure", "max_steps", "timeout"})
 # int(9/sr - 7) must not drop a whole rollout to float error (9/0.6 is 15.000000000000002
 # but other rates land just below an integer).
 _FORMULA_EPS = 1e-9
 
 
 # --------------------------------------------------------------------------- public types
-
-
-@dataclass(frozen=True)
-class EpisodeSpec:
-    """One episode to run: rollout ``rollout`` of task ``task_id``. Picklable for Ray."""
-
-    task_id: str
-    domain: str
-    rollout: int
-    task: dict[str, Any] = field(compare=False, repr=False)
-    attempt: int = 0
-    episode_id: str = field(init=False)
-    group: str = field(init=False)
-
-    def __post_init__(self) -> None:
-        # Derived, never passed by hand: the id is the episode's path under the run dir.
-        object.__setattr__(self, "group", f"{self.domain}/{self.task_id}")
-        object.__setattr__(self, "episode_id", f"{self.domain}/{self.task_id}/{self.rollout}")
 
 
 @dataclass(frozen=True)
@@ -198,13 +182,10 @@ def _parse_jsonl(path: Path) -> _Parsed:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         return _Parsed(signature, [], [TaskProblem(path, None, f"cannot read: {exc}")])
-    for number, raw in enumerate(text.splitlines(), start=1):
-        if not raw.strip():
-            continue
-        try:
-            data = json.loads(raw)
-        except json.JSONDecodeError as exc:
-            problems.append(TaskProblem(path, None, f"invalid JSON: {exc}", number))
+    for line in iter_jsonl(text):
+        number, data = line.number, line.value
+        if line.error is not None:
+            problems.append(TaskProblem(path, None, f"invalid JSON: {line.error}", number))
             continue
         line_problems = validate_task(data, path=path, osworld=False, line=number)
         if line_problems:
@@ -482,19 +463,20 @@ class TaskLoader:
             text = path.read_text(encoding="utf-8", errors="replace")
         except FileNotFoundError:
             return
-        for number, raw in enumerate(text.splitlines(), start=1):
-            if not raw.strip():
-                continue
+        for line in iter_jsonl(text):
+            record = line.value
             try:
-                record = json.loads(raw)
+                if line.error is not None:
+                    raise line.error
                 domain, task_id, rollout = self._episode_key(record)
-            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            except (KeyError, TypeError, ValueError) as exc:
                 # A crash can cut the last line short; that episode simply runs again.
-                logger.warning("%s:%d: unreadable result line skipped (%s)", path, number, exc)
+                logger.warning("%s:%d: unreadable result line skipped (%s)", path,
+                               line.number, exc)
                 continue
             self._finished.setdefault(f"{domain}/{task_id}", set()).add(rollout)
             reward = record.get("reward")
-            if record.get("status") in _SCORED_STATUSES and isinstance(reward, int | float):
+            if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
                 self.record_result(task_id, domain, reward)
 
     @staticmethod

@@ -5,6 +5,8 @@ in-process; each episode is a coroutine: lease a desktop, run the task's setup, 
 screenshot -> model -> parse -> action until the agent ends, ``max_steps`` or the deadline,
 score with the task's evaluator, release the desktop. Infrastructure failures become
 ``infra_error`` results (never a reward); scheduling and retries are the coordinator's.
+What a step records is ``rollout.trajectory``'s; how an error ends an episode is written on
+the error's class (``rollout.errors``).
 """
 
 from __future__ import annotations
@@ -14,105 +16,93 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Awaitable
-from dataclasses import asdict, dataclass, field
-from datetime import datetime
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from config import Config
-from env_k8s import RemoteDesktopEnv, lease_client
+from config import Config, DesktopsConfig, RunnerConfig
+from env_k8s import DONE, FAIL, WAIT, DesktopEnv, Lease, RemoteDesktopEnv
+from model_service_pool import Generation, ModelServicePool
+from prompts import Turn, build_messages
+from rollout.aio import TaskSet, call
 from rollout.errors import (
     ActionParseError,
     DesktopError,
     InfraError,
     ModelRequestError,
-    TaskSetupError,
+    RolloutError,
     UnsupportedEvaluator,
-    UnsupportedSetupStep,
 )
-from model_service_pool import Generation, ModelServicePool
+from rollout.evaluation import evaluate
+from rollout.layout import screenshot_name
 from rollout.monitoring import Metrics
 from rollout.screenshot import Screenshot
-from prompts import Turn, build_messages
-from storage_actor import png_parts
-from task_loader import EpisodeSpec
-from ui_tars_utils import DONE, FAIL, WAIT, Action, parse_response, split_terminal, to_pyautogui
+from rollout.trajectory import ScreenshotFiles, step_record
+from rollout.types import (
+    SUCCESS_REWARD,
+    EpisodeResult,
+    EpisodeSpec,
+    Status,
+    is_infeasible,
+)
+from storage_actor import EpisodeWriter
+from ui_tars_utils import ParsedResponse, parse_response, split_terminal, to_pyautogui
+
+__all__ = ["Decider", "EnvFactory", "TrajectoryRunner", "episode_error", "open_leased_desktop"]
 
 log = logging.getLogger(__name__)
 
-SCORED_STATUSES = ("success", "failure", "max_steps", "timeout")
-STATUSES = (*SCORED_STATUSES, "infra_error", "cancelled")
-# A reward at least this high is a solved task (evaluators return 1.0 for a full solve;
-# partial credit counts as failure but keeps its reward).
-SUCCESS_REWARD = 1.0
+# Builds the environment of a leased desktop; the default speaks OSWorld's HTTP protocol.
+EnvFactory = Callable[[Lease, DesktopsConfig], DesktopEnv]
 
 
-@dataclass
-class EpisodeResult:
-    """How an episode ended; ``record()`` is its results.jsonl line."""
-
-    episode_id: str
-    task_id: str
-    domain: str
-    rollout: int
-    attempt: int
-    status: str
-    reward: float | None
-    steps: int
-    started_at: float
-    ended_at: float
-    instruction: str = ""
-    infeasible: bool = False
-    model_version: str | None = None
-    model_endpoints: list[str] = field(default_factory=list)
-    desktop: str | None = None
-    desktops_tried: list[str] = field(default_factory=list)
-    error: str | None = None
-    retryable: bool = False       # an infra error that another attempt may not hit
-    last_action: str | None = None
-    parse_failures: int = 0
-    timing: dict[str, float] = field(default_factory=dict)
-    runner: str | None = None
-    node: str | None = None
-
-    def record(self) -> dict[str, Any]:
-        out = asdict(self)
-        out["duration_s"] = round(self.ended_at - self.started_at, 4)
-        out.pop("retryable")
-        return out
+def open_leased_desktop(lease: Lease, cfg: DesktopsConfig) -> DesktopEnv:
+    """The leased desktop's client, with a connection of its own (closed by ``close()``)."""
+    return RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
 
 
-def infra_result(spec: EpisodeSpec, error: str, *, retryable: bool = True,
-                 runner: str | None = None) -> EpisodeResult:
-    """The result of an attempt that never reached (or lost) its runner."""
-    now = time.time()
-    return EpisodeResult(
-        spec.episode_id, spec.task_id, spec.domain, spec.rollout, spec.attempt, "infra_error",
-        None, 0, now, now, instruction=str(spec.task.get("instruction", "")),
-        infeasible=_is_infeasible(spec.task), error=error, retryable=retryable, runner=runner,
-    )
+def episode_error(exc: Exception, desktop: str | None) -> tuple[str, bool, bool]:
+    """(error text, retryable, desktop healthy) of an episode that raised ``exc``. Whether
+    another attempt may succeed and whether the desktop is suspect are properties of the
+    error's class; an error no layer translated is a bug of ours: recorded, never retried."""
+    if not isinstance(exc, RolloutError):
+        return f"{type(exc).__name__}: {exc}", False, True
+    if isinstance(exc, DesktopError):
+        text = f"desktop {desktop or '(none leased)'}: {exc}"
+    elif isinstance(exc, UnsupportedEvaluator):
+        text = f"evaluator: {exc}"
+    elif isinstance(exc, ModelRequestError):
+        text = f"model rejected the request: {exc}"
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    return text, exc.retryable, not exc.blames_desktop
 
 
-def _is_infeasible(task: dict[str, Any]) -> bool:
-    func = (task.get("evaluator") or {}).get("func")
-    return func == "infeasible" or func == ["infeasible"]
+class Decider:
+    """What a parsed reply makes the episode do: the pyautogui code to run (the actions
+    before a terminal one) and the terminal action (DONE, FAIL, WAIT or None). ``call_user``
+    fails the episode, as UI-TARS agents do, or waits up to ``call_user_max_waits`` times."""
 
+    def __init__(self, cfg: RunnerConfig) -> None:
+        self.cfg = cfg
+        self.call_user_waits = 0
 
-def _call(target: Any, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-    """Call ``method`` on a Ray actor handle (an awaitable ObjectRef) or a local object."""
-    fn = getattr(target, method)
-    if hasattr(fn, "remote"):
-        return fn.remote(*args, **kwargs)
-    return asyncio.ensure_future(fn(*args, **kwargs))
-
-
-def _timestamp() -> str:
-    return datetime.now().strftime("%Y%m%d@%H%M%S%f")
-
-
-def _action_dict(a: Action) -> dict[str, Any]:
-    return {"kind": a.kind, "point": a.point, "end_point": a.end_point, "content": a.content,
-            "keys": a.keys, "direction": a.direction}
+    def decide(self, parsed: ParsedResponse | None) -> tuple[str | None, str | None]:
+        if parsed is None:
+            return None, FAIL  # unparseable after every retry
+        before, kind = split_terminal(parsed.actions)
+        code = to_pyautogui(before) if before else None
+        if kind == "finished":
+            return code, DONE
+        if kind == "wait":
+            return code, WAIT
+        if kind == "call_user":
+            if (self.cfg.call_user == "wait"
+                    and self.call_user_waits < self.cfg.call_user_max_waits):
+                self.call_user_waits += 1
+                return code, WAIT
+            return code, FAIL
+        return code, None
 
 
 class _EpisodeEnded(Exception):
@@ -137,117 +127,64 @@ class _Episode:
         self.started_at = time.time()
         self.session_id = f"{spec.episode_id}#{spec.attempt}"
         self.history: list[Turn] = []
-        self.files: dict[int, str] = {}       # id(data URL string) -> screenshot file
+        self.files = ScreenshotFiles()
+        self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt)
         self.steps = 0
         self.parse_failures = 0
-        self.call_user_waits = 0
+        self.decider = Decider(runner.cfg.runner)
         self.last_action: str | None = None
         self.endpoints: list[str] = []
         self.model_version: str | None = None
         self.desktop: str | None = None
+        self.env: DesktopEnv | None = None
         self.timing = {"model_s": 0.0, "env_s": 0.0, "overhead_s": 0.0, "reset_s": 0.0,
                        "evaluation_s": 0.0, "lease_wait_s": 0.0}
         self.last_messages: list[dict[str, Any]] | None = None
         self.reset_done = False
         self.held_record: dict[str, Any] | None = None
-        self._pending_write: Awaitable[Any] | None = None
-        self.desktop_client: Any = None       # the leased desktop's connection (lease_client)
-
-    # ----------------------------------------------------------------- storage
-
-    async def _store(self, method: str, *args: Any) -> None:
-        # One write in flight per episode: ordered, and a storage that falls behind slows
-        # this episode down instead of piling screenshots up in memory.
-        if self._pending_write is not None:
-            await self._pending_write
-        self._pending_write = _call(self.r.storage, method, self.spec.episode_id,
-                                    self.spec.attempt, *args)
-
-    async def _store_done(self) -> None:
-        if self._pending_write is not None:
-            pending, self._pending_write = self._pending_write, None
-            await pending
-
-    def _forget_old_screenshot(self) -> None:
-        """Drop the screenshot of the turn that just left the last request's image window
-        (its file is written; it is never sent again): an episode holds ``history_images``
-        screenshots (PNG and base64), not every one it has seen."""
-        old = len(self.history) - 1 - self.cfg.runner.history_images
-        if old < 0 or (shot := self.history[old].screenshot) is None:
-            return
-        # The last request (last_messages, saved at the end) no longer shows it either, so
-        # its file name can go; its data URL's id may be reused once the string is freed.
-        if "data_url" in shot.__dict__:
-            self.files.pop(id(shot.data_url), None)
-        self.history[old].screenshot = None
-
-    def _remember(self, shot: Screenshot, name: str | None) -> None:
-        if name:
-            self.files[id(shot.data_url)] = name
-
-    async def _save_screenshot(self, shot: Screenshot, step: int) -> str | None:
-        if not self.cfg.runner.save_screenshots:
-            return None
-        name = f"step_{step}.png"
-        await self._store("write_step_parts", None, name, *png_parts(shot.png))
-        self._remember(shot, name)
-        return name
 
     # ----------------------------------------------------------------- the loop
 
     async def run(self) -> EpisodeResult:
         cfg = self.cfg
-        status, error, retryable, reward = "failure", None, False, None
+        status, error, retryable, reward = Status.FAILURE, None, False, None
         lease = None
         healthy = True
         try:
             waited = time.monotonic()
-            lease = await _call(self.r.desktop_pool, "lease",
-                                f"{self.r.runner_id}/{self.session_id}",
-                                cfg.desktops.lease_timeout_s, self.avoid)
+            lease = await call(self.r.desktop_pool, "lease",
+                               f"{self.r.runner_id}/{self.session_id}",
+                               cfg.desktops.lease_timeout_s, self.avoid)
             self.timing["lease_wait_s"] = time.monotonic() - waited
             self.desktop = lease.desktop_id
-            self.desktop_client = lease_client(cfg.desktops)
-            env = RemoteDesktopEnv(lease.url, cfg.desktops, name=lease.desktop_id,
-                                   client=self.desktop_client)
-            await _call(self.r.storage, "begin_episode", self.spec.episode_id,
-                        self.spec.attempt, self.task)
+            env = self.env = self.r.env_factory(lease, cfg.desktops)
+            await self.writer.begin(self.task)
             try:
                 async with asyncio.timeout(cfg.runner.episode_timeout_s):
                     status = await self._act(env)
             except TimeoutError:
                 if not self.reset_done:
-                    raise _EpisodeEnded("infra_error", "the task's setup outlived the episode "
-                                        "deadline", retryable=True, healthy=False) from None
-                status, error = "timeout", (
+                    raise _EpisodeEnded(Status.INFRA_ERROR, "the task's setup outlived the "
+                                        "episode deadline", retryable=True,
+                                        healthy=False) from None
+                status, error = Status.TIMEOUT, (
                     f"episode deadline of {cfg.runner.episode_timeout_s:.0f}s reached")
             reward = await self._evaluate(env)
-            if status not in ("max_steps", "timeout"):
-                status = "success" if reward >= SUCCESS_REWARD else "failure"
+            if status not in (Status.MAX_STEPS, Status.TIMEOUT):
+                status = Status.SUCCESS if reward >= SUCCESS_REWARD else Status.FAILURE
         except _EpisodeEnded as ended:
             status, error, retryable = ended.status, ended.error, ended.retryable
             healthy = ended.healthy
         except asyncio.CancelledError:
-            status, error = "cancelled", "cancelled"
+            status, error = Status.CANCELLED, "cancelled"
             self._finish_in_background(lease, True, status, error, None)
             raise
-        except (DesktopError, TaskSetupError) as exc:
-            status, error = "infra_error", f"desktop {self.desktop or '(none leased)'}: {exc}"
-            retryable = not isinstance(exc, UnsupportedSetupStep)
-            # A setup step that failed says nothing against the desktop; anything else does
-            # (the pool health-checks it before lending it again).
-            healthy = isinstance(exc, TaskSetupError)
-        except UnsupportedEvaluator as exc:
-            status, error, retryable = "infra_error", f"evaluator: {exc}", False
-        except ModelRequestError as exc:
-            status, error, retryable = "infra_error", f"model rejected the request: {exc}", False
-        except InfraError as exc:
-            status, error, retryable = "infra_error", f"{type(exc).__name__}: {exc}", True
         except Exception as exc:
-            # A bug of ours, or an error no layer translated: recorded, not retried blindly.
-            log.exception("episode %s failed unexpectedly", self.spec.episode_id)
-            status, error, retryable = "infra_error", f"{type(exc).__name__}: {exc}", False
-        if status == "infra_error":
+            if not isinstance(exc, InfraError | ModelRequestError):
+                log.exception("episode %s failed unexpectedly", self.spec.episode_id)
+            status = Status.INFRA_ERROR
+            error, retryable, healthy = episode_error(exc, self.desktop)
+        if status == Status.INFRA_ERROR:
             reward = None
         # A cancel arriving while the episode is being finished must not cut its writes or
         # the desktop's release short: the finish completes in the background.
@@ -257,99 +194,84 @@ class _Episode:
             return await asyncio.shield(finish)
         except asyncio.CancelledError:
             self.r.background.add(finish)
-            finish.add_done_callback(self.r.background.discard)
             raise
 
-    async def _act(self, env: RemoteDesktopEnv) -> str:
+    async def _act(self, env: DesktopEnv) -> str:
         """Setup, then steps until the agent ends; returns ``failure`` (to be scored) or
         ``max_steps``."""
-        cfg = self.cfg
         t0 = time.monotonic()
         shot = await env.reset(self.task)
         self.timing["reset_s"] = time.monotonic() - t0
         self.reset_done = True
-        await self._save_screenshot(shot, 0)
-        shot.forget_png()  # stored: requests need its base64 only
+        await self._save_first_screenshot(shot)
+        for step in range(1, self.cfg.runner.max_steps + 1):
+            shot = await self._step(env, step, shot)
+            if shot is None:
+                return Status.FAILURE  # the agent ended it: scored by the evaluator next
+        return Status.MAX_STEPS
+
+    async def _step(self, env: DesktopEnv, step: int, shot: Screenshot) -> Screenshot | None:
+        """One step from the screenshot ``shot``: the next screenshot, or None when the
+        agent ended the episode (DONE or FAIL)."""
+        runner_cfg = self.cfg.runner
+        step_started = time.monotonic()
         width, height = shot.size
-        for step in range(1, cfg.runner.max_steps + 1):
-            step_started = time.monotonic()
-            messages = build_messages(
-                str(self.task.get("instruction", "")), self.history, shot,
-                history_images=cfg.runner.history_images,
-                history_texts=cfg.runner.history_texts,
-                language=cfg.runner.prompt_language,
-                call_user=cfg.runner.prompt_call_user,
-                note=cfg.runner.prompt_note,
-            )
-            self.last_messages = messages
-            generation, parsed, retries, model_s = await self._generate(messages, width, height)
-            self.steps = step
-            self.history.append(Turn(shot, generation.text))
-            self._forget_old_screenshot()
-            record: dict[str, Any] = {
-                "step_num": step,
-                "action_timestamp": _timestamp(),
-                "action": None,
-                "response": generation.text,
-                "reward": 0,
-                "done": False,
-                "info": {},
-                "screenshot_file": None,
-                "observation_file": self.files.get(id(shot.data_url)),
-                "thought": parsed.thought if parsed else None,
-                "actions": [_action_dict(a) for a in parsed.actions] if parsed else [],
-                "model_endpoint": generation.endpoint,
-                "model_version": generation.model_version,
-                "parse_retries": retries,
-                "prompt_tokens": generation.prompt_tokens,
-                "completion_tokens": generation.completion_tokens,
-            }
-            if cfg.model.sampling.return_token_ids:
-                record["token_ids"] = generation.token_ids
-                record["prompt_token_ids"] = generation.prompt_token_ids
-            if cfg.model.sampling.logprobs:
-                record["logprobs"] = generation.logprobs
-            env_started = time.monotonic()
-            code, terminal = self._decide(parsed)
-            if code is not None:
-                result = await env.step(code, pause_s=cfg.runner.action_pause_s)
-                record["info"] = {"returncode": result.returncode, "error": result.error or None}
-            if terminal == WAIT:
-                await env.step(WAIT, pause_s=cfg.runner.wait_s)
-            record["action"] = terminal if code is None else (
-                code if terminal in (None, WAIT) else f"{code}\n{terminal}")
-            ended = terminal in (DONE, FAIL)
-            if not ended:
-                shot = await env.observe()
-                width, height = shot.size
-            env_s = time.monotonic() - env_started
-            step_s = time.monotonic() - step_started
-            timing = {"model_s": model_s, "env_s": env_s,
-                      "overhead_s": max(0.0, step_s - model_s - env_s), "step_s": step_s}
-            record["timing"] = {k: round(v, 6) for k, v in timing.items()}
-            for key in ("model_s", "env_s", "overhead_s"):
-                self.timing[key] += timing[key]
-            self.r.step_done(timing)
-            record["done"] = ended
-            # A step's line is written with the next step's screenshot (or at the end, when
-            # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
-            previous, self.held_record = self.held_record, record
-            if ended:
-                self.last_action = terminal
-                if previous is not None:
-                    await self._store("write_step", previous, None, None)
-                return "failure"  # scored by the evaluator next
-            name = f"step_{step}.png" if cfg.runner.save_screenshots else None
-            record["screenshot_file"] = name
-            await self._store("write_step_parts", previous, name,
-                              *(png_parts(shot.png) if name else ()))
-            self._remember(shot, name)
-            shot.forget_png()
-        return "max_steps"
+        messages = build_messages(
+            str(self.task.get("instruction", "")), self.history, shot,
+            history_images=runner_cfg.history_images, history_texts=runner_cfg.history_texts,
+            language=runner_cfg.prompt_language, call_user=runner_cfg.prompt_call_user,
+            note=runner_cfg.prompt_note,
+        )
+        self.last_messages = messages
+        generation, parsed, retries, model_s = await self._generate(messages, width, height)
+        self.steps = step
+        self.history.append(Turn(shot, generation.text))
+        self._forget_old_screenshot()
+        sampling = self.cfg.model.sampling
+        record = step_record(step, generation, parsed, retries, self.files.file_of(shot),
+                             token_ids=sampling.return_token_ids, logprobs=sampling.logprobs)
+
+        env_started = time.monotonic()
+        code, terminal = self.decider.decide(parsed)
+        if code is not None:
+            result = await env.step(code, pause_s=runner_cfg.action_pause_s)
+            record["info"] = {"returncode": result.returncode, "error": result.error or None}
+        if terminal == WAIT:
+            await env.step(WAIT, pause_s=runner_cfg.wait_s)
+        record["action"] = terminal if code is None else (
+            code if terminal in (None, WAIT) else f"{code}\n{terminal}")
+        ended = terminal in (DONE, FAIL)
+        next_shot = None if ended else await env.observe()
+        self._time_step(record, model_s, time.monotonic() - env_started,
+                        time.monotonic() - step_started)
+        record["done"] = ended
+        # A step's line is written with the next step's screenshot (or at the end, when
+        # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
+        previous, self.held_record = self.held_record, record
+        if next_shot is None:
+            self.last_action = terminal
+            if previous is not None:
+                await self.writer.step(previous)
+            return None
+        name = screenshot_name(step) if runner_cfg.save_screenshots else None
+        record["screenshot_file"] = name
+        await self.writer.step(previous, name, next_shot.png)
+        self.files.remember(next_shot, name)
+        next_shot.forget_png()  # stored: requests need its base64 only
+        return next_shot
+
+    def _time_step(self, record: dict[str, Any], model_s: float, env_s: float,
+                   step_s: float) -> None:
+        timing = {"model_s": model_s, "env_s": env_s,
+                  "overhead_s": max(0.0, step_s - model_s - env_s), "step_s": step_s}
+        record["timing"] = {k: round(v, 6) for k, v in timing.items()}
+        for key in ("model_s", "env_s", "overhead_s"):
+            self.timing[key] += timing[key]
+        self.r.step_done(timing)
 
     async def _generate(
         self, messages: list[dict[str, Any]], width: int, height: int
-    ) -> tuple[Generation, Any, int, float]:
+    ) -> tuple[Generation, ParsedResponse | None, int, float]:
         """Ask the model; an unparseable reply is asked again up to ``max_parse_retries``
         times, after which the episode ends as the UI-TARS agents end it (FAIL)."""
         cfg = self.cfg
@@ -372,46 +294,51 @@ class _Episode:
                          exc, retry + 1)
         return generation, None, cfg.runner.max_parse_retries, model_s
 
-    def _decide(self, parsed: Any) -> tuple[str | None, str | None]:
-        """(pyautogui code to run or None, terminal DONE/FAIL/WAIT or None)."""
-        if parsed is None:
-            return None, FAIL  # unparseable after every retry
-        before, kind = split_terminal(parsed.actions)
-        code = to_pyautogui(before) if before else None
-        if kind == "finished":
-            return code, DONE
-        if kind == "wait":
-            return code, WAIT
-        if kind == "call_user":
-            if (self.cfg.runner.call_user == "wait"
-                    and self.call_user_waits < self.cfg.runner.call_user_max_waits):
-                self.call_user_waits += 1
-                return code, WAIT
-            return code, FAIL
-        return code, None
-
-    async def _evaluate(self, env: RemoteDesktopEnv) -> float:
+    async def _evaluate(self, env: DesktopEnv) -> float:
         t0 = time.monotonic()
         try:
-            reward = await asyncio.wait_for(env.evaluate(self.task, self.last_action),
-                                            self.cfg.runner.evaluation_timeout_s)
+            reward = await asyncio.wait_for(
+                evaluate(env, self.task, self.last_action,  # type: ignore[arg-type]
+                         cache_dir=Path(self.cfg.desktops.download_cache_dir),
+                         task_id=str(self.task.get("id", "")) or None),
+                self.cfg.runner.evaluation_timeout_s)
         except TimeoutError:
-            raise _EpisodeEnded("infra_error", "evaluation timed out after "
+            raise _EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
                                 f"{self.cfg.runner.evaluation_timeout_s:.0f}s",
                                 retryable=True, healthy=False) from None
         finally:
             self.timing["evaluation_s"] = time.monotonic() - t0
         return min(1.0, max(0.0, float(reward)))
 
+    # ----------------------------------------------------------------- screenshots
+
+    async def _save_first_screenshot(self, shot: Screenshot) -> None:
+        if self.cfg.runner.save_screenshots:
+            name = screenshot_name(0)
+            await self.writer.step(None, name, shot.png)
+            self.files.remember(shot, name)
+        shot.forget_png()  # stored: requests need its base64 only
+
+    def _forget_old_screenshot(self) -> None:
+        """Drop the screenshot of the turn that just left the last request's image window
+        (its file is written; it is never sent again): an episode holds ``history_images``
+        screenshots (PNG and base64), not every one it has seen."""
+        old = len(self.history) - 1 - self.cfg.runner.history_images
+        if old < 0 or (shot := self.history[old].screenshot) is None:
+            return
+        # The last request (last_messages, saved at the end) no longer shows it either.
+        self.files.forget(shot)
+        self.history[old].screenshot = None
+
     # ----------------------------------------------------------------- the end
 
-    def _result(self, status: str, error: str | None, retryable: bool,
-                reward: float | None) -> EpisodeResult:
+    def result(self, status: str, error: str | None, retryable: bool,
+               reward: float | None) -> EpisodeResult:
         return EpisodeResult(
             self.spec.episode_id, self.spec.task_id, self.spec.domain, self.spec.rollout,
             self.spec.attempt, status, reward, self.steps, self.started_at, time.time(),
             instruction=str(self.task.get("instruction", "")),
-            infeasible=_is_infeasible(self.task), model_version=self.model_version,
+            infeasible=is_infeasible(self.task), model_version=self.model_version,
             model_endpoints=self.endpoints, desktop=self.desktop,
             desktops_tried=[*self.avoid, *([self.desktop] if self.desktop else [])],
             error=error, retryable=retryable, last_action=self.last_action,
@@ -420,61 +347,45 @@ class _Episode:
             runner=self.r.runner_id, node=self.r.node_id,
         )
 
-    def _messages_for_disk(self) -> list[dict[str, Any]] | None:
-        if self.last_messages is None:
-            return None
-        out = []
-        for message in self.last_messages:
-            content = message["content"]
-            if isinstance(content, list):
-                content = [
-                    {"type": "image_url", "image_url": {
-                        "url": self.files.get(id(part["image_url"]["url"]), "<not saved>")}}
-                    if part.get("type") == "image_url" else part
-                    for part in content
-                ]
-            out.append({"role": message["role"], "content": content})
-        return out
-
     async def _finish(self, lease: Any, healthy: bool, status: str, error: str | None,
                       retryable: bool, reward: float | None) -> EpisodeResult:
-        result = self._result(status, error, retryable, reward)
+        result = self.result(status, error, retryable, reward)
         self.r.model.end_session(self.session_id)
         try:
             if lease is not None:
-                await _call(self.r.desktop_pool, "release", lease.lease_id, healthy)
+                await call(self.r.desktop_pool, "release", lease.lease_id, healthy)
             if self.desktop is not None:  # the episode's directory exists
                 if self.held_record is not None:
                     last, self.held_record = self.held_record, None
                     last.update(done=True, reward=reward)
-                    await self._store("write_step", last, None, None)
-                await self._store("finish_episode", result.record(), self._messages_for_disk())
-                await self._store_done()
+                    await self.writer.step(last)
+                await self.writer.finish(result.record(),
+                                         self.files.messages_for_disk(self.last_messages))
+                await self.writer.flush()
         except Exception as exc:
             # The result itself must reach the coordinator; a storage or pool hiccup here is
             # logged (the coordinator still records the result line).
             log.error("episode %s: finishing failed: %s", self.spec.episode_id, exc)
         finally:
             # After the release (its call is sent before anything here can be cancelled).
-            if self.desktop_client is not None:
-                client, self.desktop_client = self.desktop_client, None
+            if self.env is not None:
+                env, self.env = self.env, None
                 with contextlib.suppress(Exception):  # closing a socket cannot fail it
-                    await client.aclose()
+                    await env.close()
         return result
 
     def _finish_in_background(self, lease: Any, healthy: bool, status: str,
                               error: str | None, reward: float | None) -> None:
         """On cancellation: return the desktop and write what we have without awaiting in a
         cancelled task."""
-        task = asyncio.get_running_loop().create_task(
-            self._finish(lease, healthy, status, error, False, reward))
-        self.r.background.add(task)
-        task.add_done_callback(self.r.background.discard)
+        self.r.background.spawn(self._finish(lease, healthy, status, error, False, reward))
 
 
 class TrajectoryRunner:
     """Runs episodes concurrently; the coordinator gives it at most ``episodes_per_runner``
-    at a time. One model client per runner process, opened on the actor's loop."""
+    at a time. One model client per runner process, opened on the actor's loop.
+    ``env_factory`` builds a leased desktop's environment (default: the OSWorld HTTP client;
+    the component tests pass ``rollout.testing.FakeDesktop`` builders)."""
 
     def __init__(
         self,
@@ -483,25 +394,26 @@ class TrajectoryRunner:
         storage: Any,
         runner_id: str = "runner",
         model_state_dir: str | None = None,
+        *,
+        env_factory: EnvFactory = open_leased_desktop,
     ) -> None:
         self.cfg = cfg
         self.desktop_pool = desktop_pool
         self.storage = storage
         self.runner_id = runner_id
         self.model_state_dir = model_state_dir
+        self.env_factory = env_factory
         self.node_id = _node_id()
         self._model: ModelServicePool | None = None
         self._metrics: Metrics | None = None
         self._episodes: dict[str, asyncio.Task[EpisodeResult]] = {}
-        self.background: set[asyncio.Task[Any]] = set()
+        self.background = TaskSet()
         self.counters = {"episodes": 0, "steps": 0, "model_s": 0.0, "env_s": 0.0,
                          "overhead_s": 0.0}
 
     @property
     def model(self) -> ModelServicePool:
         if self._model is None:
-            from pathlib import Path
-
             state = Path(self.model_state_dir) if self.model_state_dir else None
             self._model = ModelServicePool(self.cfg.model, state)
         return self._model
@@ -527,7 +439,7 @@ class TrajectoryRunner:
                 task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
-            return episode._result("cancelled", "cancelled", False, None)
+            return episode.result(Status.CANCELLED, "cancelled", False, None)
         finally:
             self._episodes.pop(spec.episode_id, None)
             self.counters["episodes"] += 1
@@ -557,8 +469,7 @@ class TrajectoryRunner:
 
     async def close(self) -> None:
         await self.cancel()
-        if self.background:
-            await asyncio.gather(*self.background, return_exceptions=True)
+        await self.background.wait()
         if self._model is not None:
             await self._model.close()
             self._model = None

@@ -11,7 +11,16 @@ import re
 from dataclasses import dataclass, field
 from typing import Literal
 
+from rollout.envs.contract import DONE, FAIL, WAIT
 from rollout.errors import ActionParseError
+
+__all__ = [
+    "ACTION_KINDS", "FAMILIES", "IMAGE_FACTOR", "KEY_KINDS", "MAX_PIXELS", "MAX_RATIO",
+    "MIN_PIXELS", "POINTER_KINDS", "RELATIVE_SCALE", "SCROLL_DIRECTIONS", "TERMINAL_KINDS",
+    "Action", "Family", "ParsedResponse", "add_box_token", "format_action", "format_response",
+    "model_to_screen", "normalize_key", "parse_response", "screen_to_model", "smart_resize",
+    "split_terminal", "to_pyautogui",
+]
 
 Family = Literal["uitars-1.5", "uitars-1.0"]
 FAMILIES: tuple[str, ...] = ("uitars-1.5", "uitars-1.0")
@@ -22,9 +31,6 @@ MIN_PIXELS = 100 * 28 * 28
 MAX_PIXELS = 16384 * 28 * 28
 MAX_RATIO = 200
 RELATIVE_SCALE = 1000  # UI-TARS 1.0: coordinates in 0..1000 on each axis
-
-# The special strings of OSWorld's pyautogui action space.
-DONE, WAIT, FAIL = "DONE", "WAIT", "FAIL"
 
 POINTER_KINDS = frozenset({"click", "left_double", "right_single", "hover"})
 KEY_KINDS = frozenset({"hotkey", "press", "keydown", "keyup"})
@@ -656,11 +662,6 @@ def _type_code(content: str, interval_s: float) -> list[str]:
             lines.append("pyautogui.press('enter')")
     # A type() of nothing still has to be valid code.
     return lines or ["pass"]
-
-
-def execute_command(code: str, python: str = "python") -> list[str]:
-    """The argv OSWorld's client posts to a desktop's ``/execute`` for pyautogui code."""
-    return [python, "-c", f"import pyautogui; import time; pyautogui.FAILSAFE = False; {code}"]
 
 
 # --------------------------------------------------------------------------- text for history

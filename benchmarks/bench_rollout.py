@@ -134,6 +134,8 @@ from benchmarks.sim_world import (  # noqa: E402
     ModelSim,
     SimWorld,
 )
+from rollout.layout import EPISODE_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
+from rollout.results import read_jsonl  # noqa: E402
 
 SCHEDULES = ("rollout", "actor-per-episode", "batch")
 LEVELS = (8, 64, 256, 1024)
@@ -613,10 +615,11 @@ def _measure_batch(row: _Row, coordinator: Any, sampler: _ProcessSampler,
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()
-            if line.strip()]
+    """The records of a results or trajectory file (the result tools' reader)."""
+    rows, problems = read_jsonl(path)
+    if problems:
+        raise RuntimeError(f"unreadable lines in {path}: {problems[0]}")
+    return [record for _, record in rows]
 
 
 def _timestamp_s(stamp: str) -> float:
@@ -632,18 +635,18 @@ def _percentile(ordered: list[float], q: float) -> float | None:
 def _figures(row: _Row) -> dict[str, Any]:
     s = row.setup
     k = row.concurrency
-    results = _read_jsonl(row.run_dir / "results.jsonl")
+    results = _read_jsonl(row.run_dir / RESULTS_FILE)
     recorded = [r["episode_id"] for r in results]
     episodes: dict[str, dict[str, Any]] = {r["episode_id"]: r for r in results}
     cancelled: set[str] = set()
     steps: list[dict[str, Any]] = []
-    for path in (row.run_dir / DOMAIN).glob("*/*/episode.json"):
+    for path in (row.run_dir / DOMAIN).glob(f"*/*/{EPISODE_FILE}"):
         record = json.loads(path.read_text(encoding="utf-8"))
         if record["episode_id"] not in episodes:
             episodes[record["episode_id"]] = record
             if record.get("status") == "cancelled":
                 cancelled.add(record["episode_id"])
-    for path in (row.run_dir / DOMAIN).glob("*/*/traj.jsonl"):
+    for path in (row.run_dir / DOMAIN).glob(f"*/*/{TRAJ_FILE}"):
         # A step cancelled by the drain before its desktop part ended has no timing.
         steps.extend(st for st in _read_jsonl(path) if st.get("timing"))
     for st in steps:

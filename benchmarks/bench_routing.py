@@ -35,8 +35,8 @@ if str(ROOT) not in sys.path:
 from benchmarks.sim_world import Latency, ModelSim, SimWorld  # noqa: E402
 from config import ModelConfig, SamplingConfig  # noqa: E402
 from model_service_pool import ModelServicePool  # noqa: E402
-from rollout.screenshot import Screenshot  # noqa: E402
 from prompts import Turn, build_messages  # noqa: E402
+from rollout.screenshot import Screenshot  # noqa: E402
 from ui_tars_utils import parse_response  # noqa: E402
 
 POLICIES = ("round_robin", "least_outstanding", "sticky_least_outstanding")

@@ -50,6 +50,16 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from desktop.protocol import Paths  # noqa: E402
+from rollout.openai_protocol import (  # noqa: E402
+    CHAT_COMPLETIONS_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    chat_request_body,
+    completion_json,
+    error_body,
+    models_body,
+)
 from ui_tars_utils import smart_resize  # noqa: E402
 
 RESET_COMMAND = ["sim-reset"]
@@ -531,6 +541,23 @@ def _parse_head(head: bytes) -> tuple[bytes, bytes, int, bool]:
 # --------------------------------------------------------------------------- desktops
 
 
+class _EP:
+    """The desktop protocol's paths (desktop/protocol.py) as the sim matches them: bytes after
+    ``/d/<index>/``."""
+
+    SCREENSHOT = Paths.SCREENSHOT[1:].encode()
+    EXECUTE = Paths.EXECUTE[1:].encode()
+    SCREEN_SIZE = Paths.SCREEN_SIZE[1:].encode()
+    SETUP_EXECUTE = Paths.SETUP_EXECUTE[1:].encode()
+    SETUP_PREFIX = b"setup/"  # every /setup/... path (launch, open_file, upload, windows)
+    CURSOR_POSITION = Paths.CURSOR_POSITION[1:].encode()
+    PLATFORM = Paths.PLATFORM[1:].encode()
+    RUN_PYTHON = Paths.RUN_PYTHON[1:].encode()
+    TERMINAL = Paths.TERMINAL[1:].encode()
+    ACCESSIBILITY = Paths.ACCESSIBILITY[1:].encode()
+    FILE = Paths.FILE[1:].encode()
+
+
 DESKTOP_KINDS = ("screenshot", "action", "reset", "setup", "health", "query", "unknown")
 _EXCLUSIVE = frozenset({"action", "reset", "setup"})  # two at once on a desktop: a double lease
 _EXECUTE_OK = b'{"status": "success", "output": "", "error": "", "returncode": 0}'
@@ -539,7 +566,7 @@ _RUN_PYTHON_OK = (
 )
 
 
-class _DesktopsApp(_App):
+class DesktopsApp(_App):
     """Desktops ``worker, worker + workers, ...`` of ``count``, under ``/d/<index>/...``."""
 
     def __init__(self, cfg: DesktopSim, count: int, worker: int, workers: int,
@@ -605,33 +632,33 @@ class _DesktopsApp(_App):
 
     def _route(self, endpoint: bytes, body: bytes | bytearray) -> tuple[str, _Reply]:
         cfg, rng = self.cfg, self._rng
-        if endpoint == b"screenshot":
+        if endpoint == _EP.SCREENSHOT:
             shot = self._shots[self._next_shot % len(self._shots)]
             self._next_shot += 1
             return "screenshot", _Reply(200, shot, b"image/png",
                                         cfg.screenshot_latency.draw(rng))
-        if endpoint == b"execute":
+        if endpoint == _EP.EXECUTE:
             if any(marker in body for marker in self._reset_json) and self._is_reset(body):
                 return "reset", _Reply(200, _EXECUTE_OK, delay_s=cfg.reset_latency.draw(rng))
             return "action", _Reply(200, _EXECUTE_OK, delay_s=cfg.action_latency.draw(rng))
-        if endpoint == b"screen_size":
+        if endpoint == _EP.SCREEN_SIZE:
             return "health", _Reply(200, self._screen_size)
-        if endpoint.startswith(b"setup/"):
+        if endpoint.startswith(_EP.SETUP_PREFIX):
             delay = cfg.setup_latency.draw(rng)
-            if endpoint == b"setup/execute":
+            if endpoint == _EP.SETUP_EXECUTE:
                 return "setup", _Reply(200, _EXECUTE_OK, delay_s=delay)
             return "setup", _Reply(200, b"ok", b"text/plain", delay)
-        if endpoint == b"cursor_position":
+        if endpoint == _EP.CURSOR_POSITION:
             return "query", _Reply(200, self._cursor)
-        if endpoint == b"platform":
+        if endpoint == _EP.PLATFORM:
             return "query", _Reply(200, b"Linux", b"text/plain")
-        if endpoint == b"run_python":
+        if endpoint == _EP.RUN_PYTHON:
             return "query", _Reply(200, _RUN_PYTHON_OK)
-        if endpoint == b"terminal":
+        if endpoint == _EP.TERMINAL:
             return "query", _Reply(200, b'{"output": "", "status": "success"}')
-        if endpoint == b"accessibility":
+        if endpoint == _EP.ACCESSIBILITY:
             return "query", _Reply(200, b'{"AT": "<desktop-frame name=\\"sim\\"/>"}')
-        if endpoint == b"file":
+        if endpoint == _EP.FILE:
             return "query", _Reply(404, b'{"error": "file not found"}')
         return "unknown", _NOT_FOUND
 
@@ -645,8 +672,14 @@ class _DesktopsApp(_App):
 # --------------------------------------------------------------------------- model servers
 
 
-class _ModelApp(_App):
-    """One OpenAI-compatible server of the sim (``index`` picks its speed factor)."""
+_CHAT_PATH = CHAT_COMPLETIONS_PATH.encode()
+_MODELS_PATH = MODELS_PATH.encode()
+_HEALTH_PATH = HEALTH_PATH.encode()
+
+
+class ModelApp(_App):
+    """One OpenAI-compatible server of the sim (``index`` picks its speed factor): requests are
+    read from their raw bytes (``summarize_request``), replies are ``rollout.openai_protocol``'s."""
 
     def __init__(self, cfg: ModelSim, index: int) -> None:
         self.cfg = cfg
@@ -654,9 +687,9 @@ class _ModelApp(_App):
         self.speed_factor = cfg.speed_factor(index)
         h, w = smart_resize(cfg.screen_height, cfg.screen_width)
         self._image_tokens = h * w // _TOKENS_PER_PATCH
-        self._models = json.dumps({"object": "list", "data": [
-            {"id": cfg.model, "object": "model", "owned_by": "sim", "max_model_len": 65536}
-        ]}).encode()
+        self._models = json.dumps(
+            models_body(cfg.model, owned_by="sim", max_model_len=65536)
+        ).encode()
         self.in_flight = 0  # state, not a stat: requests answered after a reset still leave
         self.reset_stats()
 
@@ -688,11 +721,11 @@ class _ModelApp(_App):
         }
 
     def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
-        if path == b"/v1/chat/completions" and method == b"POST":
+        if path == _CHAT_PATH and method == b"POST":
             return self._chat(body)
-        if path == b"/health":
+        if path == _HEALTH_PATH:
             return _Reply(200, b"", b"text/plain")
-        if path == b"/v1/models":
+        if path == _MODELS_PATH:
             return _Reply(200, self._models)
         return self._control(method, path)
 
@@ -701,8 +734,7 @@ class _ModelApp(_App):
         try:
             req = summarize_request(body)
         except (ValueError, AttributeError, TypeError) as exc:
-            return _json_reply({"object": "error", "message": f"bad request: {exc}",
-                                "type": "BadRequestError", "code": 400}, 400)
+            return _json_reply(error_body(400, f"bad request: {exc}"), 400)
         # A long episode's oldest replies drop out of the request (history_texts): the step
         # number the last reply carried keeps counting past that.
         step = req.assistant_turns
@@ -728,27 +760,14 @@ class _ModelApp(_App):
         )
         delay = service * max(1.0, self.in_flight / cfg.capacity)
         self.service_s += delay
-        choice: dict[str, Any] = {
-            "index": 0, "message": {"role": "assistant", "content": text},
-            "finish_reason": "stop", "logprobs": None,
-        }
-        if req.logprobs:
-            choice["logprobs"] = {"content": [
-                {"token": w, "logprob": -0.1, "bytes": None, "top_logprobs": []}
-                for w in text.split()[:completion]
-            ]}
-        if req.return_token_ids:
-            choice["token_ids"] = list(range(completion))
-        out: dict[str, Any] = {
-            "id": f"chatcmpl-sim-{self.index}-{self.requests}", "object": "chat.completion",
-            "created": int(time.time()), "model": cfg.model, "choices": [choice],
-            "usage": {"prompt_tokens": prompt, "completion_tokens": completion,
-                      "total_tokens": prompt + completion,
-                      "prompt_tokens_details": {"cached_tokens": cached}},
-        }
-        if req.return_token_ids:
-            out["prompt_token_ids"] = list(range(prompt))
-        return _Reply(200, json.dumps(out).encode(), delay_s=delay, done=self._done)
+        reply = completion_json(
+            text, model=cfg.model, completion_id=f"chatcmpl-sim-{self.index}-{self.requests}",
+            prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
+            logprobs=[(w, -0.1) for w in text.split()[:completion]] if req.logprobs else None,
+            token_ids=list(range(completion)) if req.return_token_ids else None,
+            prompt_token_ids=list(range(prompt)) if req.return_token_ids else None,
+        )
+        return _Reply(200, reply, delay_s=delay, done=self._done)
 
     def _done(self) -> None:
         self.in_flight -= 1
@@ -779,10 +798,10 @@ async def _serve(spec: dict[str, Any]) -> None:
     if role == "desktops":
         shots = [p.read_bytes() for p in sorted(Path(spec["screenshots_dir"]).glob("*.png"))]
         cfg = _from_dict(DesktopSim, spec["desktop"])
-        apps = [_DesktopsApp(cfg, spec["count"], spec["worker"], spec["workers"], shots)]
+        apps = [DesktopsApp(cfg, spec["count"], spec["worker"], spec["workers"], shots)]
     else:
         mcfg = _from_dict(ModelSim, spec["model"])
-        apps = [_ModelApp(mcfg, i) for i in spec["indices"]]
+        apps = [ModelApp(mcfg, i) for i in spec["indices"]]
     servers = []
     for app in apps:
         servers.append(await loop.create_server(
@@ -1177,7 +1196,7 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
             ("desktop /execute", "desktops",
              desktop_targets("/execute", "POST", action), args.connections),
             ("model /v1/chat/completions", "models",
-             [(model_port, [_request_bytes("POST", host, model_port, "/v1/chat/completions",
+             [(model_port, [_request_bytes("POST", host, model_port, CHAT_COMPLETIONS_PATH,
                                            chat)])], args.model_connections),
         ]
         for name, role, targets, connections in cases:
@@ -1206,17 +1225,19 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _chat_body(history: int) -> bytes:
-    """A real request body: ``prompts.build_messages`` over full-size sim screenshots."""
-    from rollout.screenshot import Screenshot
+    """A real request body: what the model client sends for ``prompts.build_messages`` over
+    full-size sim screenshots."""
+    from config import SamplingConfig
     from prompts import Turn, build_messages
+    from rollout.screenshot import Screenshot
 
     shots = [Screenshot(make_screenshot(i)) for i in range(min(history + 1, 6))]
     cfg = ModelSim()
     turns = [Turn(shots[i % len(shots)], sim_reply("sim task 0", i, cfg)[0])
              for i in range(history)]
     messages = build_messages("sim task 0", turns, shots[history % len(shots)])
-    return json.dumps({"model": cfg.model, "messages": messages, "temperature": 0.7,
-                       "max_tokens": 500}).encode()
+    body = chat_request_body(cfg.model, messages, SamplingConfig(max_tokens=500))
+    return json.dumps(body).encode()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -22,6 +22,21 @@ import xml.etree.ElementTree as ET
 from collections.abc import Iterator
 from typing import Any
 
+__all__ = [
+    "BUS_CALL_TIMEOUT_MS",
+    "EXIT_UNAVAILABLE",
+    "MAX_CHILDREN",
+    "MAX_DEPTH",
+    "NS",
+    "Unavailable",
+    "connect",
+    "find_bus",
+    "main",
+    "session_bus",
+    "terminal_text",
+    "tree_xml",
+]
+
 EXIT_UNAVAILABLE = 3
 
 # The namespaces of OSWorld's Linux tree (its evaluators and agents look attributes up by

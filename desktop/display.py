@@ -19,7 +19,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from rollout.errors import DesktopError
+from desktop.errors import DisplayError
+
+__all__ = ["XvfbDisplay", "terminate_process", "write_placeholder_xauthority"]
 
 # How often to look again while waiting for the window manager to announce itself.
 _POLL_INTERVAL_S = 0.02
@@ -43,7 +45,7 @@ class XvfbDisplay:
     Use as a context manager, or call ``start()`` and ``stop()``. ``start()`` lets Xvfb pick
     the lowest free display number (``-displayfd``), or with ``min_display`` the first free
     one from there on, and returns once the server accepts clients (and the window manager,
-    if any, has claimed the screen); it raises ``DesktopError`` naming what failed otherwise.
+    if any, has claimed the screen); it raises ``DisplayError`` naming what failed otherwise.
     ``stop()`` is idempotent.
     """
 
@@ -86,7 +88,7 @@ class XvfbDisplay:
     def display(self) -> str:
         """The display name, e.g. ``":57"``."""
         if self._display is None:
-            raise DesktopError("the Xvfb display is not started")
+            raise DisplayError("the Xvfb display is not started")
         return self._display
 
     @property
@@ -124,7 +126,7 @@ class XvfbDisplay:
     def start(self) -> XvfbDisplay:
         """Start Xvfb (and the window manager); return self once they are ready."""
         if self._xvfb is not None:
-            raise DesktopError(f"Xvfb display {self._display} is already started")
+            raise DisplayError(f"Xvfb display {self._display} is already started")
         try:
             self._workdir = Path(tempfile.mkdtemp(prefix="xvfb-", dir=self.tmp_dir))
             write_placeholder_xauthority(self._workdir / "Xauthority")
@@ -168,7 +170,7 @@ class XvfbDisplay:
 
     def _start_xvfb(self, deadline: float) -> str:
         if shutil.which(self.xvfb) is None:
-            raise DesktopError(f"{self.xvfb} not found on PATH (Debian package: xvfb)")
+            raise DisplayError(f"{self.xvfb} not found on PATH (Debian package: xvfb)")
         if self.min_display is None:
             return self._launch_xvfb(None, deadline)
         last = self.min_display + _DISPLAY_ATTEMPTS - 1
@@ -177,7 +179,7 @@ class XvfbDisplay:
                 return self._launch_xvfb(number, deadline)
             except _DisplayTaken:
                 continue
-        raise DesktopError(f"no free X display from :{self.min_display} to :{last}")
+        raise DisplayError(f"no free X display from :{self.min_display} to :{last}")
 
     def _launch_xvfb(self, number: int | None, deadline: float) -> str:
         """Run Xvfb on ``number`` (None: the lowest free one); the display it reports."""
@@ -205,7 +207,7 @@ class XvfbDisplay:
             write_fd = -1
             reported = _read_display_number(read_fd, self._xvfb, deadline)
         except OSError as exc:
-            raise DesktopError(f"could not start {self.xvfb}: {exc}") from exc
+            raise DisplayError(f"could not start {self.xvfb}: {exc}") from exc
         finally:
             os.close(read_fd)
             if write_fd >= 0:
@@ -221,7 +223,7 @@ class XvfbDisplay:
             if exited
             else f"reported no display number within {self.start_timeout_s} s"
         )
-        raise DesktopError(self._failure("Xvfb", self._xvfb, problem))
+        raise DisplayError(self._failure("Xvfb", self._xvfb, problem))
 
     def _log_says_taken(self) -> bool:
         assert self._workdir is not None
@@ -234,18 +236,18 @@ class XvfbDisplay:
         assert self.window_manager is not None and self._workdir is not None
         name = self.window_manager[0]
         if shutil.which(name) is None:
-            raise DesktopError(f"window manager {name!r} not found on PATH")
+            raise DisplayError(f"window manager {name!r} not found on PATH")
         if shutil.which("xprop") is None:
-            raise DesktopError("xprop not found on PATH (Debian package: x11-utils)")
+            raise DisplayError("xprop not found on PATH (Debian package: x11-utils)")
         try:
             self._wm = _spawn(self.window_manager, self._workdir / "wm.log", env=self.env())
         except OSError as exc:
-            raise DesktopError(f"could not start window manager {name!r}: {exc}") from exc
+            raise DisplayError(f"could not start window manager {name!r}: {exc}") from exc
         # An EWMH window manager announces itself with _NET_SUPPORTING_WM_CHECK on the root
         # window once it manages the screen; windows mapped before that are not managed.
         while True:
             if self._wm.poll() is not None:
-                raise DesktopError(self._failure(name, self._wm, "exited during start-up"))
+                raise DisplayError(self._failure(name, self._wm, "exited during start-up"))
             if self._wm_announced():
                 return
             if time.monotonic() >= deadline:
@@ -253,7 +255,7 @@ class XvfbDisplay:
                     f"did not announce itself (_NET_SUPPORTING_WM_CHECK) "
                     f"within {self.start_timeout_s} s"
                 )
-                raise DesktopError(self._failure(name, self._wm, problem))
+                raise DisplayError(self._failure(name, self._wm, problem))
             time.sleep(_POLL_INTERVAL_S)
 
     def _wm_announced(self) -> bool:

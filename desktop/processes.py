@@ -22,6 +22,20 @@ from typing import Any
 
 import psutil
 
+from desktop.errors import CommandTimeout
+
+__all__ = [
+    "MAX_OUTPUT_BYTES",
+    "PIPE_GRACE_S",
+    "AppTracker",
+    "Completed",
+    "child_env",
+    "group_alive",
+    "output_tail",
+    "run_captured",
+    "wait_exit",
+]
+
 # After a command exits, how long its output pipes may stay open (held by something it left in
 # the background) before the answer goes out without waiting for their end.
 PIPE_GRACE_S = 0.1
@@ -30,15 +44,8 @@ MAX_OUTPUT_BYTES = 16 * 1024 * 1024
 # How often to look at a child's state where the kernel has no pidfd (Linux < 5.3).
 _POLL_INTERVAL_S = 0.02
 _READ_CHUNK_BYTES = 65536
-
-
-class CommandTimeout(Exception):
-    """A command ran past its time limit; its process group was killed."""
-
-    def __init__(self, argv: Sequence[str] | str, timeout_s: float) -> None:
-        super().__init__(f"Command {argv!r} timed out after {timeout_s:g} seconds")
-        self.argv = argv
-        self.timeout_s = timeout_s
+# Most characters of a command's stderr quoted in an error message (its end).
+_TAIL_CHARS = 2000
 
 
 @dataclass(frozen=True)
@@ -48,6 +55,14 @@ class Completed:
     returncode: int
     stdout: bytes
     stderr: bytes
+
+    @property
+    def stdout_text(self) -> str:
+        return self.stdout.decode("utf-8", "replace")
+
+    @property
+    def stderr_text(self) -> str:
+        return self.stderr.decode("utf-8", "replace")
 
 
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
@@ -59,6 +74,11 @@ def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
     env["PATH"] = os.pathsep.join([bin_dir, *rest])
     return env
+
+
+def output_tail(data: bytes) -> str:
+    """The end of a command's output as text, for an error message."""
+    return data.decode("utf-8", "replace")[-_TAIL_CHARS:].strip()
 
 
 # ---------------------------------------------------------------------- waiting for an exit

@@ -10,25 +10,22 @@ import subprocess
 import time
 from pathlib import Path
 
+from desktop.errors import AlreadyRecording, NotRecording, RecordingFailed
 from desktop.processes import wait_exit
+
+__all__ = ["Recorder"]
 
 # How often to look whether ffmpeg has started writing.
 _POLL_INTERVAL_S = 0.05
 _LOG_TAIL_BYTES = 2000
 
 
-class RecordingError(Exception):
-    """A recording could not be started or finished; ``status`` is the HTTP status to answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-
-
 class Recorder:
     """Records ``display`` into ``workdir/recording.mp4`` (H.264, ``fps`` frames per second,
     pointer drawn in). Each server has its own file, so desktops on one machine never share it.
+
+    ``start`` raises ``AlreadyRecording`` or ``RecordingFailed``; ``stop`` raises
+    ``NotRecording`` or ``RecordingFailed`` (``desktop.errors``).
     """
 
     def __init__(
@@ -61,7 +58,7 @@ class Recorder:
 
     async def _start(self, width: int, height: int) -> None:
         if self.active:
-            raise RecordingError(400, "Recording is already in progress.")
+            raise AlreadyRecording()
         self._proc = None
         self.path.unlink(missing_ok=True)
         argv = [
@@ -82,20 +79,18 @@ class Recorder:
                     start_new_session=True,
                 )
         except OSError as exc:
-            raise RecordingError(500, f"Failed to start recording: {exc}") from exc
+            raise RecordingFailed(f"Failed to start recording: {exc}") from exc
         deadline = time.monotonic() + self.start_timeout_s
         while not (self.path.exists() and self.path.stat().st_size > 0):
             if proc.poll() is not None:
-                raise RecordingError(
-                    500,
+                raise RecordingFailed(
                     "Failed to start recording. ffmpeg terminated unexpectedly "
                     f"(exit status {proc.returncode}). Error: {self._log_tail()}",
                 )
             if time.monotonic() >= deadline:
                 proc.kill()
                 await wait_exit(proc)
-                raise RecordingError(
-                    500,
+                raise RecordingFailed(
                     f"Failed to start recording: ffmpeg wrote nothing within "
                     f"{self.start_timeout_s:g} s. Error: {self._log_tail()}",
                 )
@@ -112,21 +107,19 @@ class Recorder:
         proc = self._proc
         self._proc = None
         if proc is None or proc.poll() is not None:
-            raise RecordingError(400, "No recording in progress to stop.")
+            raise NotRecording()
         proc.send_signal(signal.SIGINT)
         try:
             await wait_exit(proc, self.stop_timeout_s)
         except TimeoutError:
             proc.kill()
             await wait_exit(proc)
-            raise RecordingError(
-                500,
+            raise RecordingFailed(
                 "Recording process was unresponsive and had to be killed. "
                 f"Stderr: {self._log_tail()}",
             ) from None
         if not self.path.exists() or self.path.stat().st_size == 0:
-            raise RecordingError(
-                500,
+            raise RecordingFailed(
                 "Recording failed. The output file is missing or empty. "
                 f"ffmpeg stderr: {self._log_tail()}",
             )

@@ -20,6 +20,8 @@ from Xlib import X
 from Xlib import display as xdisplay
 from Xlib import error as xerror
 
+__all__ = ["DEFAULT_PNG_LEVEL", "Screen"]
+
 T = TypeVar("T")
 
 # zlib level of the PNG: on a 1920x1080 screen of text, level 1 takes about a third of the

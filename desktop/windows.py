@@ -1,12 +1,12 @@
 """Windows and apps on the desktop: the window list (wmctrl), activating and closing windows,
-and the command that opens a file with its default application (xdg-open, or the same lookup
-done here when xdg-utils is not installed).
+opening a file (or starting a command) and waiting for its window, and the command that opens a
+file with its default application (xdg-open, or the same lookup when xdg-utils is missing).
 """
 
 from __future__ import annotations
 
+import asyncio
 import mimetypes
-import os
 import shlex
 import shutil
 from collections.abc import Mapping
@@ -15,22 +15,53 @@ from configparser import Error as ConfigParserError
 from dataclasses import dataclass
 from pathlib import Path
 
-from desktop.processes import run_captured
+from desktop.errors import (
+    CommandTimeout,
+    NoApplication,
+    NothingToOpen,
+    OpenFailed,
+    WindowCommandFailed,
+    WindowTimeout,
+)
+from desktop.files import expand_path
+from desktop.processes import AppTracker, output_tail, run_captured
+
+__all__ = [
+    "ACTIVATE",
+    "CLOSE",
+    "WMCTRL_TIMEOUT_S",
+    "Window",
+    "WindowMatch",
+    "activate_window_id",
+    "control_window",
+    "list_windows",
+    "open_command",
+    "open_file",
+    "wmctrl_argv",
+]
 
 # How long one wmctrl call may take before the X server is presumed stuck.
 WMCTRL_TIMEOUT_S = 10.0
+# wmctrl's actions: activate (raise and focus) a window, close it gracefully.
+ACTIVATE = "a"
+CLOSE = "c"
 # Bytes read to tell a text file from a binary one when its name says nothing.
 _SNIFF_BYTES = 4096
-
-
-class NoApplication(Exception):
-    """No installed application opens this kind of file."""
 
 
 @dataclass(frozen=True)
 class Window:
     id: str
     title: str
+
+
+@dataclass(frozen=True)
+class WindowMatch:
+    """What one wmctrl action found: whether a window matched, and wmctrl's complaint when
+    none did."""
+
+    matched: bool
+    detail: str = ""
 
 
 async def list_windows(env: Mapping[str, str]) -> list[Window]:
@@ -55,6 +86,70 @@ async def activate_window_id(window_id: str, env: Mapping[str, str]) -> bool:
         ["wmctrl", "-i", "-a", window_id], timeout_s=WMCTRL_TIMEOUT_S, env=env
     )
     return result.returncode == 0
+
+
+async def control_window(
+    action: str,
+    window_name: str,
+    *,
+    strict: bool,
+    by_class: bool,
+    env: Mapping[str, str],
+    timeout_s: float,
+) -> WindowMatch:
+    """Apply wmctrl's ``action`` (``ACTIVATE`` or ``CLOSE``) to the window named
+    ``window_name`` (see ``wmctrl_argv``). Raises ``WindowCommandFailed`` when wmctrl cannot
+    run or takes longer than ``timeout_s``."""
+    argv = wmctrl_argv(action, window_name, strict=strict, by_class=by_class)
+    try:
+        result = await run_captured(argv, timeout_s=timeout_s, env=env)
+    except (OSError, CommandTimeout) as exc:
+        raise WindowCommandFailed(exc) from exc
+    if result.returncode != 0:
+        return WindowMatch(False, output_tail(result.stderr))
+    return WindowMatch(True)
+
+
+async def open_file(
+    target: str,
+    *,
+    apps: AppTracker,
+    env: Mapping[str, str],
+    timeout_s: float,
+    poll_interval_s: float,
+) -> None:
+    """Open ``target`` as OSWorld's ``open_file`` does, and return once its window is active.
+
+    ``target`` is a file (``~`` and ``$VARS`` expanded), opened with its default application,
+    or else a command on PATH, started as is; either runs as an app of ``apps`` (source
+    ``open_file``). The window is the first whose title contains the file's name (or stem),
+    or the command. Raises ``NothingToOpen``, ``OpenFailed`` (the opener could not start or
+    exited with an error) or ``WindowTimeout`` (no window within ``timeout_s``).
+    """
+    path = expand_path(target)
+    try:
+        if path.exists():
+            argv = await asyncio.to_thread(open_command, path, env)
+            names = (path.name, path.stem)
+        elif shutil.which(target, path=env.get("PATH")):
+            argv, names = [target], (target,)
+        else:
+            raise NothingToOpen(target)
+        proc = apps.launch(argv, env=env, source="open_file")
+    except (NoApplication, OSError) as exc:
+        raise OpenFailed(target, exc) from exc
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while True:
+        for window in await list_windows(env):
+            if any(name and name in window.title for name in names):
+                await activate_window_id(window.id, env)
+                return
+        if proc.poll() not in (None, 0):  # the opener failed: no window will come
+            raise OpenFailed(target, f"{argv[0]} exited with {proc.returncode}")
+        if loop.time() >= deadline:
+            raise WindowTimeout(names[0], timeout_s)
+        await asyncio.sleep(poll_interval_s)
 
 
 # ---------------------------------------------------------------------- default applications
@@ -173,8 +268,3 @@ def _exec_argv(entry: Path, path: Path) -> list[str]:
     if not placed:
         argv.append(str(path))
     return argv
-
-
-def expand_path(path: str) -> Path:
-    """``~`` and ``$VARS`` expanded, as OSWorld does for file paths."""
-    return Path(os.path.expandvars(os.path.expanduser(path)))

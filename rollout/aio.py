@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Coroutine
+from collections.abc import Awaitable, Coroutine, Iterator
 from typing import Any
 
 __all__ = ["TaskSet", "backoff_s", "call"]
@@ -36,7 +36,8 @@ class TaskSet:
         self._tasks.add(task)  # type: ignore[arg-type]
         task.add_done_callback(self._tasks.discard)  # type: ignore[arg-type]
 
-    def __iter__(self):  # noqa: ANN204 — a snapshot, so callers may cancel while iterating
+    def __iter__(self) -> Iterator[asyncio.Task[Any]]:
+        # A snapshot, so a caller may cancel tasks (which then leave the set) while iterating.
         return iter(list(self._tasks))
 
     def __len__(self) -> int:

@@ -2,6 +2,8 @@
 
     RolloutError                    base of everything raised on purpose here
     ├── ConfigError                 the YAML config or a --set override is wrong (permanent)
+    ├── FatalSetupError             the run cannot start (Ray, desktops, model endpoints)
+    ├── FleetError                  the model fleet cannot start or be controlled (run_model.py)
     ├── ActionParseError            a model reply is not a UI-TARS action (agent-side, not infra)
     ├── InfraError                  something outside the agent broke; the episode may be retried
     │   ├── ModelUnavailable        no model endpoint answered in time (transient)
@@ -29,6 +31,8 @@ __all__ = [
     "ConfigError",
     "DesktopError",
     "DesktopUnavailable",
+    "FatalSetupError",
+    "FleetError",
     "InfraError",
     "ModelRequestError",
     "ModelUnavailable",
@@ -50,6 +54,11 @@ class RolloutError(Exception):
 
 class ConfigError(RolloutError):
     """The configuration is invalid; the message names the file and the key path."""
+
+
+class FatalSetupError(RolloutError):
+    """The run cannot start (Ray, desktops, model endpoints); the message is the one line
+    the user sees."""
 
 
 class ActionParseError(RolloutError):
@@ -115,3 +124,8 @@ class ModelRequestError(RolloutError):
         self.status = status
         self.server_message = server_message
         self.endpoint = endpoint
+
+
+class FleetError(RolloutError):
+    """The model fleet cannot be started or controlled (its state dir is locked by another
+    supervisor, no port is free, its control server does not start)."""

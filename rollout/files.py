@@ -86,11 +86,11 @@ def repair_jsonl_tail(path: Path) -> int:
 @dataclass(frozen=True)
 class JsonLine:
     """One non-blank line of a JSONL text: its 1-based number and either its value or, when
-    it is not JSON (a crash can cut the last line short), why not."""
+    it is not JSON (a crash can cut the last line short), the decoding error."""
 
     number: int
     value: Any = None
-    error: str | None = None
+    error: json.JSONDecodeError | None = None
 
 
 def iter_jsonl(text: str) -> Iterator[JsonLine]:
@@ -102,4 +102,4 @@ def iter_jsonl(text: str) -> Iterator[JsonLine]:
         try:
             yield JsonLine(number, json.loads(raw))
         except json.JSONDecodeError as exc:
-            yield JsonLine(number, error=f"invalid JSON: {exc.msg}")
+            yield JsonLine(number, error=exc)

@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 from typing import Any
 
+__all__ = ["PREFIX", "Metrics"]
+
 log = logging.getLogger(__name__)
 
 PREFIX = "rollout_"

@@ -1,11 +1,8 @@
-"""A scripted UI-TARS policy behind an OpenAI-compatible server, for the demo and the tests.
+"""A scripted UI-TARS policy behind an OpenAI-compatible server, for the demo and the tests:
+it replays each task's ``reference_solution`` (task from the prompt's instruction, step from
+the assistant turns), ``error_rate`` adding wrong clicks and early ``finished``. No weights.
 
-It replays each task's ``reference_solution`` (UI-TARS 1.5 replies stored in the task file):
-the task is found from the instruction in the prompt, the step from the number of assistant
-turns in the messages. ``error_rate`` makes it click somewhere wrong or finish too early, so
-rewards vary as a real policy's do. No GPU, no weights: the whole pipeline runs without them.
-
-    python scripted_policy.py --tasks tasks/demo --port 8199 [--error-rate 0.1] [--latency-s 0.5]
+    python -m rollout.scripted_policy --tasks tasks/demo --port 8199 [--error-rate 0.1]
 """
 
 from __future__ import annotations
@@ -14,8 +11,6 @@ import argparse
 import asyncio
 import json
 import random
-import time
-import uuid
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -25,7 +20,18 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from rollout.errors import ConfigError
+from rollout.openai_protocol import (
+    CHAT_COMPLETIONS_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    completion_body,
+    error_body,
+    models_body,
+    parse_chat_request,
+)
 from ui_tars_utils import screen_to_model
+
+__all__ = ["MODEL_NAME", "ScriptedPolicy", "create_app", "load_solutions", "main"]
 
 MODEL_NAME = "scripted-ui-tars"
 _INSTRUCTION_HEADER = "## User Instruction\n"
@@ -114,44 +120,35 @@ def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
     """``/v1/models``, ``/v1/chat/completions`` and ``/health`` as a vLLM server answers them."""
     app = FastAPI(title="scripted UI-TARS policy")
 
-    @app.get("/health")
+    @app.get(HEALTH_PATH)
     async def health() -> dict[str, str]:
         return {}
 
-    @app.get("/v1/models")
+    @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
-        return {"object": "list", "data": [{"id": model_name, "object": "model",
-                                            "owned_by": "scripted"}]}
+        return models_body(model_name, owned_by="scripted")
 
-    @app.post("/v1/chat/completions")
+    @app.post(CHAT_COMPLETIONS_PATH)
     async def chat(request: Request) -> Any:
         try:
             body = await request.json()
         except ValueError:
             return _error(400, "the request body is not JSON")
-        if not isinstance(body, dict) or not isinstance(body.get("messages"), list):
-            return _error(400, "'messages' must be a list")
+        try:
+            chat = parse_chat_request(body)
+        except ValueError as exc:
+            return _error(400, str(exc))
         if latency_s:
             await asyncio.sleep(latency_s)
-        text = policy.reply(body["messages"])
-        tokens = text.split()
-        return {
-            "id": f"chatcmpl-{uuid.uuid4().hex[:12]}",
-            "object": "chat.completion",
-            "created": int(time.time()),
-            "model": model_name,
-            "choices": [{"index": 0, "finish_reason": "stop",
-                         "message": {"role": "assistant", "content": text}}],
-            "usage": {"prompt_tokens": 0, "completion_tokens": len(tokens),
-                      "total_tokens": len(tokens)},
-        }
+        text = policy.reply(chat.messages)
+        return completion_body(text, model=model_name, prompt_tokens=0,
+                               completion_tokens=len(text.split()))
 
     return app
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"object": "error", "message": message, "type": "BadRequestError",
-                         "code": status}, status_code=status)
+    return JSONResponse(error_body(status, message), status_code=status)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,24 +1,6 @@
 """What changed between two runs: the episodes (or, with ``--by task``, the tasks) whose
-reward or status differs, in both directions, written to a file; a summary on stdout.
-
-Changes, each a record with the domain and instruction:
-  a_better        both scored, A's reward is higher
-  b_better        both scored, B's reward is higher
-  status_changed  same reward (or one side unscored: infra_error, cancelled) but another
-                  status, e.g. failure -> timeout or infra_error -> success
-  only_in_a       finished in A only
-  only_in_b       finished in B only
-Per episode the key is domain/task_id/rollout; per task (``--by task``) the reward is the
-mean over its scored rollouts and the status is "solved" (a reward of 1.0), "unsolved" or
-"unscored" (no scored rollout).
-
-Output: ``-o FILE``; ``.csv`` writes CSV, any other name JSON lines. Default:
-``compare_<A>_vs_<B>.jsonl`` in the current directory, <A> and <B> the runs' directory
-names. Each record: {"change", "key", "domain", "task_id", "rollout" (null per task),
-"instruction", "status_a", "reward_a", "status_b", "reward_b", "delta" (reward_b - reward_a,
-null unless both scored)}, sorted by change then key.
-Exit codes: 0, 2 bad usage or a RUN_DIR missing / not a directory.
-"""
+reward or status differs, both ways, written to a file (the fields: ``compare``'s docstring);
+a summary on stdout. Exit codes: 0, 2 on bad usage or a RUN_DIR missing / not a directory."""
 
 from __future__ import annotations
 
@@ -30,11 +12,18 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
-if _SCRIPTS_DIR not in sys.path:
-    sys.path.insert(0, _SCRIPTS_DIR)
+from rollout.results import (
+    Run,
+    compute_rates,
+    fail,
+    fmt_rate,
+    k_label,
+    open_run,
+    results_parser,
+    summarize_tasks,
+)
 
-import results_io as rio  # noqa: E402
+__all__ = ["main"]
 
 CHANGES = ("a_better", "b_better", "status_changed", "only_in_a", "only_in_b")
 FIELDS = (
@@ -70,16 +59,16 @@ class _Outcome:
     reward: float | None
 
 
-def _by_episode(run: rio.Run) -> dict[str, _Outcome]:
+def _by_episode(run: Run) -> dict[str, _Outcome]:
     return {
         e.episode_id: _Outcome(e.domain, e.task_id, e.rollout, e.instruction, e.status, e.reward)
         for e in run.episodes
     }
 
 
-def _by_task(run: rio.Run) -> dict[str, _Outcome]:
+def _by_task(run: Run) -> dict[str, _Outcome]:
     outcomes = {}
-    for (domain, task_id), task in rio.summarize_tasks(run.episodes).items():
+    for (domain, task_id), task in summarize_tasks(run.episodes).items():
         status = "solved" if task.solved else "unsolved" if task.scored else "unscored"
         outcomes[f"{domain}/{task_id}"] = _Outcome(
             domain, task_id, None, task.instruction, status, task.mean_reward
@@ -87,8 +76,26 @@ def _by_task(run: rio.Run) -> dict[str, _Outcome]:
     return outcomes
 
 
-def compare(run_a: rio.Run, run_b: rio.Run, *, by: str = "episode") -> list[Change]:
-    """Every key whose outcome differs between the runs, sorted by change then key."""
+def compare(run_a: Run, run_b: Run, *, by: str = "episode") -> list[Change]:
+    """Every key whose outcome differs between the runs, sorted by change then key.
+
+    The kinds of change, each a record with the domain and instruction:
+      a_better        both scored, A's reward is higher
+      b_better        both scored, B's reward is higher
+      status_changed  same reward (or one side unscored: infra_error, cancelled) but another
+                      status, e.g. failure -> timeout or infra_error -> success
+      only_in_a       finished in A only
+      only_in_b       finished in B only
+    ``by="episode"``: the key is domain/task_id/rollout. ``by="task"``: the reward is the
+    mean over the task's scored rollouts and the status is "solved" (a reward of 1.0),
+    "unsolved" or "unscored" (no scored rollout).
+
+    The file main() writes (``-o``: ``.csv`` for CSV, any other name JSON lines; default
+    ``compare_<A>_vs_<B>.jsonl`` in the current directory, <A> and <B> the runs' directory
+    names) holds one record per Change: {"change", "key", "domain", "task_id", "rollout"
+    (null per task), "instruction", "status_a", "reward_a", "status_b", "reward_b", "delta"
+    (reward_b - reward_a, null unless both scored)}, in this order.
+    """
     outcomes = _by_task if by == "task" else _by_episode
     a, b = outcomes(run_a), outcomes(run_b)
     changes = []
@@ -139,7 +146,7 @@ def write_changes(changes: list[Change], path: Path) -> None:
                 f.write(json.dumps(asdict(c), ensure_ascii=False) + "\n")
 
 
-def _print_summary(run_a: rio.Run, run_b: rio.Run, changes: list[Change], by: str) -> None:
+def _print_summary(run_a: Run, run_b: Run, changes: list[Change], by: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
@@ -152,12 +159,12 @@ def _print_summary(run_a: rio.Run, run_b: rio.Run, changes: list[Change], by: st
     for name in CHANGES:
         table.add_row(name, str(counts.get(name, 0)))
     console.print(table)
-    rates = {name: rio.compute_rates(run.episodes) for name, run in (("A", run_a), ("B", run_b))}
+    rates = {name: compute_rates(run.episodes) for name, run in (("A", run_a), ("B", run_b))}
     for name, r in rates.items():
         console.print(
-            f"{name}: success {rio.fmt_rate(r.success_rate)}, "
-            f"avg@{rio.k_label(r.to_json())} {rio.fmt_rate(r.avg_at_k)}, "
-            f"pass@{rio.k_label(r.to_json())} {rio.fmt_rate(r.pass_at_k)} "
+            f"{name}: success {fmt_rate(r.success_rate)}, "
+            f"avg@{k_label(r.to_json())} {fmt_rate(r.avg_at_k)}, "
+            f"pass@{k_label(r.to_json())} {fmt_rate(r.pass_at_k)} "
             f"over {r.scored_episodes} scored episodes"
         )
     for c in [c for c in changes if c.change in ("a_better", "b_better")][:10]:
@@ -168,12 +175,14 @@ def _print_summary(run_a: rio.Run, run_b: rio.Run, changes: list[Change], by: st
         )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="compare_exp_result.py",
-        description="Episodes or tasks whose reward or status differs between two runs "
-        "(A better, B better, status changed, only in one run). " + rio.RUN_DIR_HELP,
-        epilog="The record fields and the change kinds are in this script's docstring.",
+def _parser() -> argparse.ArgumentParser:
+    parser = results_parser(
+        "compare_exp_result.py",
+        "Episodes or tasks whose reward or status differs between two runs "
+        "(A better, B better, status changed, only in one run).",
+        epilog="The record fields and the change kinds are in this script's compare() "
+        "docstring.",
+        run_dir=False,
     )
     parser.add_argument("run_a", metavar="RUN_A", help="the first run directory")
     parser.add_argument("run_b", metavar="RUN_B", help="the second run directory")
@@ -192,13 +201,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
-    run_a = rio.open_run(parser, args.run_a)
-    run_b = rio.open_run(parser, args.run_b)
+    run_a = open_run(parser, args.run_a)
+    run_b = open_run(parser, args.run_b)
     output = args.output or Path(f"compare_{run_a.name}_vs_{run_b.name}.jsonl")
     if not output.parent.is_dir():
-        parser.exit(2, f"{parser.prog}: error: {output.parent}: no such directory\n")
+        fail(parser, f"{output.parent}: no such directory")
     for run in (run_a, run_b):
         if not run.episodes:
             print(f"{run.path}: no finished episodes", file=sys.stderr)

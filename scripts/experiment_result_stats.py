@@ -1,19 +1,6 @@
-"""Figures of several runs side by side: per run the success rate, avg@k, pass@k, episode
-status counts, mean steps and time; their mean and standard deviation across runs; and the
-any-correct rate (fraction of tasks solved by some rollout of some run).
-
-Statistics: the mean and the sample standard deviation (n - 1) over the runs that have the
-figure (a run with nothing scored has no rates); the deviation is empty for a single run.
-The any-correct rate counts tasks scored in at least one run; it is pass@k of all runs'
-episodes pooled, shown as the row "pooled".
-
-Exit codes: 0, 2 bad usage or a RUN_DIR missing / not a directory.
-``-o FILE.csv`` writes the table: a header, then one row per run, "mean", "std", "pooled".
-``--json``: {"schema": "experiment_result_stats/1", "runs": [{"run": str, "run_dir": str,
-"layout": str, **RATES}], "mean": {column: float|null}, "std": {column: float|null},
-"pooled": RATES, "any_correct": {"rate": float|null, "solved_tasks": int, "tasks": int}};
-RATES as in show_result.py's docstring.
-"""
+"""Figures of several runs side by side: per run the success rate, avg@k, pass@k, status
+counts, mean steps and time; their mean and sample deviation; the any-correct rate (JSON and
+CSV layout: ``collect``'s docstring). Exit codes: 0, 2 on bad usage or a RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -24,11 +11,22 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
-if _SCRIPTS_DIR not in sys.path:
-    sys.path.insert(0, _SCRIPTS_DIR)
+from rollout.results import (
+    STATUS_ABBREV,
+    Run,
+    add_json_flag,
+    compute_rates,
+    fail,
+    flat_rates,
+    fmt_float,
+    fmt_rate,
+    mean_std,
+    open_run,
+    results_parser,
+)
+from rollout.types import STATUSES
 
-import results_io as rio  # noqa: E402
+__all__ = ["main"]
 
 SCHEMA = "experiment_result_stats/1"
 # Columns that get a mean and a standard deviation across runs.
@@ -40,7 +38,7 @@ NUMERIC_COLUMNS = (
     "success_rate",
     "avg_at_k",
     "pass_at_k",
-    *rio.STATUSES,
+    *STATUSES,
     "mean_steps",
     "mean_duration_s",
 )
@@ -55,14 +53,29 @@ _HEADERS = {
     "success_rate": "success",
     "avg_at_k": "avg@k",
     "pass_at_k": "pass@k",
-    **rio.STATUS_ABBREV,
+    **STATUS_ABBREV,
     "mean_steps": "steps",
     "mean_duration_s": "time s",
 }
 
 
-def collect(runs: list[rio.Run]) -> dict[str, Any]:
-    """The --json object (see the module docstring)."""
+def collect(runs: list[Run]) -> dict[str, Any]:
+    """The --json object (schema "experiment_result_stats/1"):
+      {"schema": "experiment_result_stats/1",
+       "runs": [{"run": str, "run_dir": str, "layout": str, **RATES}, ...],
+       "mean": {column: float | null}, "std": {column: float | null},
+       "pooled": RATES,
+       "any_correct": {"rate": float | null, "solved_tasks": int, "tasks": int}}
+    RATES is ``Rates.to_json()`` (rollout/results/rates.py), flattened in "runs" (status
+    counts as columns, plus "k"). "mean" and "std" are the mean and the sample standard
+    deviation (n - 1) over the runs that have the figure (a run with nothing scored has no
+    rates); the deviation is null for a single run. The any-correct rate is the fraction of
+    tasks scored in some run that some rollout of some run solved: pass@k of all runs'
+    episodes pooled, the row "pooled".
+
+    ``-o FILE.csv`` writes the table: a header (CSV_COLUMNS), then one row per run, "mean",
+    "std", "pooled"; full precision, empty cells for figures that do not exist.
+    """
     names = [r.name for r in runs]
     rows = []
     for run in runs:
@@ -73,13 +86,13 @@ def collect(runs: list[rio.Run]) -> dict[str, Any]:
                 "run": name,
                 "run_dir": str(run.path),
                 "layout": run.layout,
-                **rio.flat_rates(rio.compute_rates(run.episodes).to_json()),
+                **flat_rates(compute_rates(run.episodes).to_json()),
             }
         )
     mean, std = {}, {}
     for column in NUMERIC_COLUMNS:
-        mean[column], std[column] = rio.mean_std(row[column] for row in rows)
-    pooled = rio.compute_rates(e for run in runs for e in run.episodes)
+        mean[column], std[column] = mean_std(row[column] for row in rows)
+    pooled = compute_rates(e for run in runs for e in run.episodes)
     return {
         "schema": SCHEMA,
         "runs": rows,
@@ -95,7 +108,7 @@ def collect(runs: list[rio.Run]) -> dict[str, Any]:
 
 
 def write_csv(stats: dict[str, Any], path: Path) -> None:
-    pooled = {"run": "pooled", "layout": "", **rio.flat_rates(stats["pooled"])}
+    pooled = {"run": "pooled", "layout": "", **flat_rates(stats["pooled"])}
     with path.open("w", newline="", encoding="utf-8") as f:
         writer = csv.DictWriter(f, fieldnames=CSV_COLUMNS, extrasaction="ignore")
         writer.writeheader()
@@ -127,11 +140,11 @@ def _print_table(stats: dict[str, Any]) -> None:
         for column in NUMERIC_COLUMNS:
             value = row.get(column)
             if column in _RATE_COLUMNS:
-                out.append(rio.fmt_rate(value))
+                out.append(fmt_rate(value))
             elif isinstance(value, int):
                 out.append(str(value))
             else:
-                out.append(rio.fmt_float(value, 2))
+                out.append(fmt_float(value, 2))
         return out
 
     for row in stats["runs"]:
@@ -139,24 +152,25 @@ def _print_table(stats: dict[str, Any]) -> None:
     table.add_section()
     table.add_row("mean", "", *cells(stats["mean"]), style="bold")
     table.add_row("std", "", *cells(stats["std"]))
-    pooled = rio.flat_rates(stats["pooled"])
+    pooled = flat_rates(stats["pooled"])
     table.add_section()
     table.add_row("pooled", pooled["k"], *cells(pooled), style="cyan")
     console.print(table)
     any_correct = stats["any_correct"]
     console.print(
-        f"any-correct rate: {rio.fmt_rate(any_correct['rate'])} "
+        f"any-correct rate: {fmt_rate(any_correct['rate'])} "
         f"({any_correct['solved_tasks']}/{any_correct['tasks']} tasks solved in some run); "
         "std is the sample deviation (n - 1) across runs; "
         "infra_error and cancelled are excluded from every rate."
     )
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="experiment_result_stats.py",
-        description="Per-run success rate, avg@k, pass@k and status counts of several runs, "
-        "their mean and standard deviation, and the any-correct rate. " + rio.RUN_DIR_HELP,
+def _parser() -> argparse.ArgumentParser:
+    parser = results_parser(
+        "experiment_result_stats.py",
+        "Per-run success rate, avg@k, pass@k and status counts of several runs, "
+        "their mean and standard deviation, and the any-correct rate.",
+        run_dir=False,
     )
     parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories")
     parser.add_argument(
@@ -166,16 +180,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         help="also write the table as CSV to this file",
     )
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead")
+    add_json_flag(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
     if args.output is not None and not args.output.parent.is_dir():
-        parser.exit(2, f"{parser.prog}: error: {args.output.parent}: no such directory\n")
-    runs = [rio.open_run(parser, path) for path in args.run_dirs]
+        fail(parser, f"{args.output.parent}: no such directory")
+    runs = [open_run(parser, path) for path in args.run_dirs]
     for run in runs:
         if not run.episodes:
             print(f"{run.path}: no finished episodes", file=sys.stderr)

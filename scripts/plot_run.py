@@ -1,11 +1,6 @@
-"""PNG plots of one run: progress (episodes finished, steps/s) and desktops leased over time
-from metrics.jsonl; histograms of model and environment latency per step from the episodes'
-traj.jsonl; success rate per domain from the results.
-
-A plot whose input is missing (no metrics.jsonl, no step timings, nothing scored) is skipped
-with a message on stderr; the others are still made. Exit codes: 0, 2 bad usage or RUN_DIR
-missing / not a directory.
-"""
+"""PNG plots of one run: episodes finished, steps/s and desktops over time (metrics.jsonl),
+model and env latency per step (traj.jsonl), success rate per domain. A plot without input
+is skipped with a message on stderr. Exit codes: 0, 2 on bad usage or RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -15,11 +10,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
-if _SCRIPTS_DIR not in sys.path:
-    sys.path.insert(0, _SCRIPTS_DIR)
+from rollout.layout import METRICS_FILE
+from rollout.results import (
+    Problem,
+    Run,
+    add_out_dir,
+    compute_rates,
+    make_out_dir,
+    open_run,
+    read_metrics,
+    read_traj,
+    report_problems,
+    results_parser,
+)
 
-import results_io as rio  # noqa: E402
+__all__ = ["PLOTS", "main", "step_latencies"]
 
 PLOTS = ("progress", "desktops", "latency", "success_by_domain")
 _DPI = 100
@@ -82,11 +87,11 @@ def _plot_desktops(plt: Any, samples: list[dict[str, Any]], path: Path) -> bool:
     return True
 
 
-def step_latencies(run: rio.Run) -> tuple[list[float], list[float], list[rio.Problem]]:
+def step_latencies(run: Run) -> tuple[list[float], list[float], list[Problem]]:
     """``timing.model_s`` and ``timing.env_s`` of every step of the run's episodes."""
     model_s, env_s, problems = [], [], []
     for episode in run.episodes:
-        lines, found = rio.read_traj(episode)
+        lines, found = read_traj(episode)
         problems.extend(found)
         for line in lines:
             timing = line.get("timing")
@@ -120,13 +125,13 @@ def _plot_latency(plt: Any, model_s: list[float], env_s: list[float], path: Path
     return True
 
 
-def _plot_success(plt: Any, run: rio.Run, path: Path) -> bool:
+def _plot_success(plt: Any, run: Run, path: Path) -> bool:
     domains = sorted({e.domain for e in run.episodes})
-    rates = {d: rio.compute_rates(e for e in run.episodes if e.domain == d) for d in domains}
+    rates = {d: compute_rates(e for e in run.episodes if e.domain == d) for d in domains}
     rates = {d: r for d, r in rates.items() if r.success_rate is not None}
     if not rates:
         return False
-    overall = rio.compute_rates(run.episodes).success_rate
+    overall = compute_rates(run.episodes).success_rate
     fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(rates) + 2), 4))
     try:
         names = list(rates)
@@ -148,8 +153,9 @@ def _plot_success(plt: Any, run: rio.Run, path: Path) -> bool:
     return True
 
 
-def make_plots(run: rio.Run, out_dir: Path) -> dict[str, Path | None]:
-    """Write the plots into ``out_dir``; each plot's path, or None when it was skipped."""
+def make_plots(run: Run, out_dir: Path) -> dict[str, Path | None]:
+    """Write the plots into ``out_dir``; each plot's path, or None when it was skipped
+    because its input is missing (no metrics.jsonl, no step timings, nothing scored)."""
     import matplotlib
 
     matplotlib.use("Agg")  # files only, never a window, also without a display
@@ -157,10 +163,10 @@ def make_plots(run: rio.Run, out_dir: Path) -> dict[str, Path | None]:
 
     out_dir.mkdir(parents=True, exist_ok=True)
     made: dict[str, Path | None] = dict.fromkeys(PLOTS)
-    samples, problems = rio.read_metrics(run.path)
-    rio.report_problems(problems)
+    samples, problems = read_metrics(run.path)
+    report_problems(problems)
     if samples is None:
-        print(f"{run.path / rio.METRICS_FILE}: missing, skipping progress and desktops plots",
+        print(f"{run.path / METRICS_FILE}: missing, skipping progress and desktops plots",
               file=sys.stderr)  # fmt: skip
     else:
         for name, plot in (("progress", _plot_progress), ("desktops", _plot_desktops)):
@@ -168,10 +174,10 @@ def make_plots(run: rio.Run, out_dir: Path) -> dict[str, Path | None]:
             if plot(plt, samples, path):
                 made[name] = path
             else:
-                print(f"{run.path / rio.METRICS_FILE}: no samples for the {name} plot, skipped",
+                print(f"{run.path / METRICS_FILE}: no samples for the {name} plot, skipped",
                       file=sys.stderr)  # fmt: skip
     model_s, env_s, problems = step_latencies(run)
-    rio.report_problems(problems)
+    report_problems(problems)
     if _plot_latency(plt, model_s, env_s, out_dir / "latency.png"):
         made["latency"] = out_dir / "latency.png"
     else:
@@ -185,24 +191,22 @@ def make_plots(run: rio.Run, out_dir: Path) -> dict[str, Path | None]:
     return made
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="plot_run.py",
-        description="PNG plots of a run: episodes finished and steps/s over time, desktops "
+def _parser() -> argparse.ArgumentParser:
+    parser = results_parser(
+        "plot_run.py",
+        "PNG plots of a run: episodes finished and steps/s over time, desktops "
         "leased over time (metrics.jsonl), model and env latency histograms (traj.jsonl), "
-        "success rate per domain. " + rio.RUN_DIR_HELP,
+        "success rate per domain.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
-    parser.add_argument("--out", metavar="DIR", type=Path,
-                        help="output directory (default: RUN_DIR/plots)")  # fmt: skip
+    add_out_dir(parser, "plots")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
-    run = rio.open_run(parser, args.run_dir)
-    out_dir = rio.make_out_dir(parser, args.out if args.out is not None else run.path / "plots")
+    run = open_run(parser, args.run_dir)
+    out_dir = make_out_dir(parser, args.out if args.out is not None else run.path / "plots")
     if not run.episodes:
         print(f"{run.path}: no finished episodes")
     made = make_plots(run, out_dir)

@@ -1,13 +1,6 @@
-"""A static HTML report of a run's trajectories: ``index.html`` with a sortable table of
-tasks x rollouts, and one page per episode with every step's screenshot (the one the model
-saw), the action drawn over it, the thought, the raw response and the step's timings.
-
-Self-contained and offline: screenshots are hard-linked (copied across file systems) into
-the output directory and referenced by relative paths, lazily loaded; the only script is a
-small inline table sorter. ``index.html#sort=<column>[:asc|:desc]`` sorts on load through
-the same click handler a user triggers (columns: domain, task, instruction, reward, solved,
-r0, r1, ...). Exit codes: 0, 2 bad usage or RUN_DIR missing / not a directory.
-"""
+"""A static, offline HTML report of a run's trajectories: index.html, a sortable table of
+tasks x rollouts, and a page per episode with each step's screenshot, the action drawn over
+it, thought, response and timings. Exit codes: 0, 2 on bad usage or RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -21,11 +14,26 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-_SCRIPTS_DIR = str(Path(__file__).resolve().parent)
-if _SCRIPTS_DIR not in sys.path:
-    sys.path.insert(0, _SCRIPTS_DIR)
+from rollout.layout import screenshot_name
+from rollout.results import (
+    Episode,
+    Problem,
+    Run,
+    add_out_dir,
+    compute_rates,
+    fail,
+    fmt_float,
+    fmt_rate,
+    k_label,
+    make_out_dir,
+    open_run,
+    read_traj,
+    report_problems,
+    results_parser,
+    summarize_tasks,
+)
 
-import results_io as rio  # noqa: E402
+__all__ = ["main"]
 
 EPISODES_DIR = "episodes"
 # Overlay sizes are in screen pixels of a 1280-wide screen and scale with the screenshot.
@@ -146,7 +154,7 @@ def _observation_name(lines: list[dict[str, Any]], i: int) -> str | None:
     the previous step's ``screenshot_file``, else step_0.png for the first step."""
     name = lines[i].get("observation_file")
     if not isinstance(name, str) or not name:
-        name = lines[i - 1].get("screenshot_file") if i > 0 else "step_0.png"
+        name = lines[i - 1].get("screenshot_file") if i > 0 else screenshot_name(0)
     # Only a file name: screenshots live in the episode directory, never elsewhere.
     return Path(name).name if isinstance(name, str) and name else None
 
@@ -248,7 +256,7 @@ def overlay_svg(actions: list[Any], width: int, height: int, uid: str) -> str:
 
 
 def _figure(
-    episode: rio.Episode, name: str | None, image_dir: Path, slug: str, caption: str,
+    episode: Episode, name: str | None, image_dir: Path, slug: str, caption: str,
     actions: list[Any], uid: str,
 ) -> str:  # fmt: skip
     src = episode.dir / name if (episode.dir is not None and name) else None
@@ -286,12 +294,12 @@ def _timing_rows(line: dict[str, Any]) -> str:
 
 
 def episode_page(
-    episode: rio.Episode, lines: list[dict[str, Any]], problems: list[rio.Problem],
+    episode: Episode, lines: list[dict[str, Any]], problems: list[Problem],
     image_dir: Path, slug: str,
 ) -> str:  # fmt: skip
     """The HTML of one episode; its screenshots are placed in ``image_dir``."""
     reward = "-" if episode.reward is None else f"{episode.reward:g}"
-    duration = rio.fmt_float(episode.duration_s)
+    duration = fmt_float(episode.duration_s)
     facts = [
         ("status", episode.status), ("reward", reward), ("steps", episode.steps),
         ("duration s", duration), ("infeasible", episode.infeasible),
@@ -347,10 +355,14 @@ def _where(action: dict[str, Any]) -> str:
     return f" at ({point[0]:g}, {point[1]:g})" if point else ""
 
 
-def index_page(run: rio.Run, episodes: list[rio.Episode], links: dict[str, str]) -> str:
-    """The tasks x rollouts table; ``links`` maps episode ids to their pages."""
-    tasks = rio.summarize_tasks(episodes)
-    by_task: dict[tuple[str, str], dict[int, rio.Episode]] = {}
+def index_page(run: Run, episodes: list[Episode], links: dict[str, str]) -> str:
+    """The tasks x rollouts table; ``links`` maps episode ids to their pages.
+
+    The only script is a small inline table sorter; ``index.html#sort=<column>[:asc|:desc]``
+    sorts on load through the same click handler a user triggers (columns: domain, task,
+    instruction, reward, solved, r0, r1, ...)."""
+    tasks = summarize_tasks(episodes)
+    by_task: dict[tuple[str, str], dict[int, Episode]] = {}
     for e in episodes:
         by_task.setdefault(e.task_key, {})[e.rollout] = e
     rollouts = sorted({e.rollout for e in episodes})
@@ -381,15 +393,15 @@ def index_page(run: rio.Run, episodes: list[rio.Episode], links: dict[str, str])
                 f'<td class="st-{_e(e.status)}" data-sort="{reward}">'
                 f'<a href="{_e(links[e.episode_id])}">{_e(e.status)}</a><br>'
                 f"{reward or '-'} &middot; {_e(e.steps if e.steps is not None else '-')} steps"
-                f" &middot; {rio.fmt_float(e.duration_s)} s</td>"
+                f" &middot; {fmt_float(e.duration_s)} s</td>"
             )
         rows.append(f'<tr data-task="{_e(key[0])}/{_e(key[1])}">{"".join(cells)}</tr>')
-    rates = rio.compute_rates(episodes)
-    k = rio.k_label(rates.to_json())
+    rates = compute_rates(episodes)
+    k = k_label(rates.to_json())
     summary = (
         f"{rates.scored_episodes} scored episodes of {rates.episodes}; success "
-        f"{rio.fmt_rate(rates.success_rate)}, avg@{k} {rio.fmt_rate(rates.avg_at_k)}, "
-        f"pass@{k} {rio.fmt_rate(rates.pass_at_k)}; infra_error "
+        f"{fmt_rate(rates.success_rate)}, avg@{k} {fmt_rate(rates.avg_at_k)}, "
+        f"pass@{k} {fmt_rate(rates.pass_at_k)}; infra_error "
         f"{rates.status_counts['infra_error']}, cancelled {rates.status_counts['cancelled']}"
     )
     body = (
@@ -410,8 +422,10 @@ def _slug(episode_id: str, taken: set[str]) -> str:
     return slug
 
 
-def build(run: rio.Run, out_dir: Path, task: str | None = None) -> list[rio.Episode]:
-    """Write index.html and the episode pages into ``out_dir``; return the episodes shown."""
+def build(run: Run, out_dir: Path, task: str | None = None) -> list[Episode]:
+    """Write index.html and the episode pages into ``out_dir``; return the episodes shown.
+    Screenshots are hard-linked (copied across file systems) into ``out_dir`` and referenced
+    by relative paths, lazily loaded: the report needs no network and no server."""
     episodes = [
         e for e in run.episodes
         if task is None or task in (e.task_id, f"{e.domain}/{e.task_id}")
@@ -423,8 +437,8 @@ def build(run: rio.Run, out_dir: Path, task: str | None = None) -> list[rio.Epis
     taken: set[str] = set()
     for e in episodes:
         slug = _slug(e.episode_id, taken)
-        lines, problems = rio.read_traj(e)
-        rio.report_problems(problems)
+        lines, problems = read_traj(e)
+        report_problems(problems)
         page = episode_page(e, lines, problems, pages_dir / slug, slug)
         (pages_dir / f"{slug}.html").write_text(page, encoding="utf-8")
         links[e.episode_id] = f"{EPISODES_DIR}/{slug}.html"
@@ -432,29 +446,27 @@ def build(run: rio.Run, out_dir: Path, task: str | None = None) -> list[rio.Epis
     return episodes
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="view_trajectory.py",
-        description="Write a static HTML report of a run's episodes: index.html (tasks x "
+def _parser() -> argparse.ArgumentParser:
+    parser = results_parser(
+        "view_trajectory.py",
+        "Write a static HTML report of a run's episodes: index.html (tasks x "
         "rollouts, sortable) and a page per episode with each step's screenshot, the action "
-        "drawn on it, the thought, the raw response and the timings. " + rio.RUN_DIR_HELP,
+        "drawn on it, the thought, the raw response and the timings.",
     )
-    parser.add_argument("run_dir", metavar="RUN_DIR", help="the run directory")
     parser.add_argument("--task", metavar="ID", help="only this task (task_id or domain/task_id)")
-    parser.add_argument("--out", metavar="DIR", type=Path,
-                        help="output directory (default: RUN_DIR/viewer)")  # fmt: skip
+    add_out_dir(parser, "viewer")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    parser = _parser()
     args = parser.parse_args(argv)
-    run = rio.open_run(parser, args.run_dir)
-    out_dir = rio.make_out_dir(parser, args.out if args.out is not None else run.path / "viewer")
+    run = open_run(parser, args.run_dir)
+    out_dir = make_out_dir(parser, args.out if args.out is not None else run.path / "viewer")
     if args.task is not None and not any(
         args.task in (e.task_id, f"{e.domain}/{e.task_id}") for e in run.episodes
     ):
-        parser.exit(2, f"{parser.prog}: error: --task {args.task}: no episode in {run.path}\n")
+        fail(parser, f"--task {args.task}: no episode in {run.path}")
     episodes = build(run, out_dir, args.task)
     if not episodes:
         print(f"{run.path}: no finished episodes")

@@ -19,11 +19,11 @@ import pytest
 import ray
 
 from config import Config, load_config
-from run import Actors, start_actors, stop_actors
 from rollout.http import ThreadedServer
 from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from rollout.testing.fake_openai import FakeOpenAIServer
+from run import Actors, start_actors, stop_actors
 from task_loader import TaskLoader
-from tests.fakes.openai_server import FakeOpenAIServer
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO = ROOT / "configs" / "demo.yaml"

@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_rollout
-from model_service_pool import _MARK, _Body
-from rollout.screenshot import DataURL, Screenshot
+from model_service_pool import IMAGE_MARK, RequestBody
 from prompts import Turn, build_messages
+from rollout.screenshot import DataURL, Screenshot
 from storage_actor import PART_BYTES, png_parts
 
 
@@ -34,7 +34,7 @@ def _body(messages: list[dict]) -> dict:
             "max_tokens": 500, "frequency_penalty": 0.0}
 
 
-async def _sent(body: _Body) -> bytes:
+async def _sent(body: RequestBody) -> bytes:
     return b"".join([piece async for piece in body])
 
 
@@ -48,7 +48,7 @@ def test_a_body_is_sent_as_exactly_the_bytes_json_dumps_makes():
     messages = build_messages('task "ünï" \\n', history, shots[5])
     assert all(type(p["image_url"]["url"]) is DataURL
                for m in messages for p in m["content"] if p["type"] == "image_url")
-    body = _Body(_body(messages))
+    body = RequestBody(_body(messages))
     expected = json.dumps(_body(messages)).encode()
     assert bytes(body) == expected and body.length == len(expected)
     assert asyncio.run(_sent(body)) == expected
@@ -57,12 +57,12 @@ def test_a_body_is_sent_as_exactly_the_bytes_json_dumps_makes():
 
 def test_a_body_whose_text_holds_the_mark_or_plain_urls_is_serialised_whole():
     shot = Screenshot(_png(1, (64, 48)))
-    messages = build_messages(f"type {_MARK}0{_MARK} please", [], shot)
+    messages = build_messages(f"type {IMAGE_MARK}0{IMAGE_MARK} please", [], shot)
     plain = [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}]
     for msgs in (messages, plain):
         expected = json.dumps(_body(msgs)).encode()
-        body = _Body(_body(msgs))
+        body = RequestBody(_body(msgs))
         assert bytes(body) == expected and asyncio.run(_sent(body)) == expected
 
 

@@ -19,13 +19,21 @@ import pytest_asyncio
 from PIL import Image, ImageChops, ImageDraw
 
 from config import load_config
-from env_k8s import DesktopPool, RemoteDesktopEnv
+from env_k8s import DONE, FAIL, WAIT, DesktopPool, RemoteDesktopEnv
 from model_service_pool import ModelServicePool
-from rollout.screenshot import Screenshot
 from prompts import Turn, build_messages
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from rollout.evaluation import evaluate
 from rollout.http import ThreadedServer
-from ui_tars_utils import DONE, FAIL, WAIT, parse_response, to_pyautogui
+from rollout.screenshot import Screenshot
+from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from ui_tars_utils import parse_response, to_pyautogui
+
+
+async def score(env: RemoteDesktopEnv, task: dict[str, Any], last_action: str | None,
+                cfg: Any) -> float:
+    """The task's evaluator on the desktop, as the runner scores an episode."""
+    return await evaluate(env, task, last_action,
+                          cache_dir=Path(cfg.desktops.download_cache_dir), task_id=task["id"])
 
 ROOT = Path(__file__).resolve().parent.parent
 SUITE = ROOT / "tasks" / "demo"
@@ -223,7 +231,7 @@ async def play(
                 env, screen, [pointer, moved_to], cfg.runner.action_pause_s
             )
             pointer = moved_to
-        return await env.evaluate(task, last_action)
+        return await score(env, task, last_action, cfg)
     finally:
         await pool.release(lease.lease_id)
 
@@ -310,7 +318,7 @@ async def test_a_released_desktop_keeps_nothing_of_the_previous_episode(demo):
                                       shell=True)
         assert leftovers["output"] == ""
         assert (await env.execute("wmctrl -l", shell=True))["output"] == ""
-        assert await env.evaluate(task, DONE) == 0.0
+        assert await score(env, task, DONE, cfg) == 0.0
     finally:
         for lease in leases:
             await pool.release(lease.lease_id)

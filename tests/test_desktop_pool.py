@@ -10,44 +10,10 @@ import time
 import pytest
 
 from config import DesktopsConfig
-from env_k8s import Desktop, DesktopPool, DesktopProvider
-from rollout.errors import DesktopError, DesktopUnavailable
+from env_k8s import DesktopPool, DesktopProvider
+from rollout.errors import DesktopUnavailable
+from rollout.testing.fake_desktop import FakeProvider
 from tests import support
-
-
-class FakeProvider(DesktopProvider):
-    """Desktops that exist only as records; resets take ``reset_s`` and may be told to fail."""
-
-    def __init__(self, *, reset_s: float = 0.0, replaceable: bool = True,
-                 capacity: int | None = None) -> None:
-        self.replaceable = replaceable
-        self.reset_s = reset_s
-        self._capacity = capacity
-        self.started: list[str] = []
-        self.stopped: list[str] = []
-        self.resets: list[str] = []
-        self.fail_reset: set[str] = set()
-        self.unhealthy: set[str] = set()
-
-    def capacity(self) -> int | None:
-        return self._capacity
-
-    async def start(self, index: int) -> Desktop:
-        desktop = Desktop(id=f"fake-{index}", url=f"http://fake/{index}")
-        self.started.append(desktop.id)
-        return desktop
-
-    async def reset(self, desktop: Desktop) -> None:
-        self.resets.append(desktop.id)
-        await asyncio.sleep(self.reset_s)
-        if desktop.id in self.fail_reset:
-            raise DesktopError(f"{desktop.id} will not reset")
-
-    async def stop(self, desktop: Desktop) -> None:
-        self.stopped.append(desktop.id)
-
-    async def health(self, desktop: Desktop) -> bool:
-        return desktop.id not in self.unhealthy
 
 
 def cfg(**kw) -> DesktopsConfig:

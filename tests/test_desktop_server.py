@@ -35,7 +35,7 @@ import pytest
 from PIL import Image
 
 from desktop.display import XvfbDisplay, terminate_process
-from ui_tars_utils import execute_command
+from desktop.protocol import execute_command
 
 REPO = Path(__file__).resolve().parents[1]
 SCREEN_W, SCREEN_H = 1280, 800

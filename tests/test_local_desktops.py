@@ -15,9 +15,15 @@ from pathlib import Path
 import psutil
 import pytest
 
-from config import DesktopsConfig
-from desktop.session import MARKER, SESSION_FILE, sweep_stale_sessions
-from env_k8s import DesktopPool, LocalProvider, RemoteDesktopEnv
+from config import DesktopsConfig, StaticDesktopsConfig
+from env_k8s import (
+    DesktopPool,
+    LocalProvider,
+    RemoteDesktopEnv,
+    StaticProvider,
+    check_desktop_env,
+)
+from rollout.envs.local_session import MARKER, SESSION_FILE, sweep_stale_sessions
 from tests import support
 
 pytestmark = pytest.mark.integration
@@ -151,3 +157,21 @@ async def test_stale_desktops_of_a_crashed_run_are_swept(tmp_path):
         assert await provider.health(desktop)
     finally:
         await provider.stop(desktop)
+
+
+async def test_local_desktops_and_a_real_server_behind_the_static_provider_conform(pool):
+    """The conformance checker on real desktops: a local one through the pool's lease, and
+    the same kind of desktop server reached by URL through the static provider."""
+    cfg = pool.cfg
+    lease = await pool.lease("conformance")
+    env = RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
+    seen = await check_desktop_env(env, screen_size=(cfg.screen_width, cfg.screen_height))
+    assert seen["step"].returncode == 0  # pyautogui ran on the real display
+    static_cfg = cfg.model_copy(update={
+        "provider": "static", "count": 1,
+        "static": StaticDesktopsConfig(urls=[lease.url])})
+    provider = StaticProvider(static_cfg)
+    desktop = await provider.start(0)
+    await check_desktop_env(RemoteDesktopEnv.for_lease(desktop.url, static_cfg),
+                            screen_size=(cfg.screen_width, cfg.screen_height))
+    await pool.release(lease.lease_id)

@@ -11,9 +11,18 @@ from collections import Counter
 import pytest
 
 from config import ModelConfig, SamplingConfig
-from rollout.errors import ModelRequestError, ModelUnavailable
 from model_service_pool import ENDPOINTS_FILE, ModelServicePool
-from tests.fakes.openai_server import FakeOpenAIServer
+from rollout.errors import ModelRequestError, ModelUnavailable
+from rollout.openai_protocol import (
+    ChatReply,
+    ChatRequest,
+    ErrorReply,
+    chat_request_body,
+    error_body,
+    parse_chat_completion,
+    parse_chat_request,
+)
+from rollout.testing.fake_openai import FakeOpenAIServer
 
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
@@ -242,3 +251,84 @@ async def test_api_key_comes_from_the_named_env_var(servers, monkeypatch):
     finally:
         await pool.close()
     assert srv.headers[0]["authorization"] == "Bearer sk-test"
+
+
+# --------------------------------------------------------------------------- the wire protocol
+
+
+def test_request_body_is_the_protocols_and_shares_the_messages():
+    body = chat_request_body("ui-tars", MESSAGES, SamplingConfig())
+    assert list(body) == ["model", "messages", "temperature", "top_p", "max_tokens",
+                          "frequency_penalty"]
+    assert body["messages"] is MESSAGES  # never copied (nor validated) on the client side
+    full = chat_request_body("ui-tars", MESSAGES, SamplingConfig(
+        seed=1, logprobs=True, return_token_ids=True))
+    assert set(full) <= set(ChatRequest.model_fields)
+    request = parse_chat_request(full)
+    assert (request.seed, request.logprobs, request.return_token_ids) == (1, True, True)
+    with pytest.raises(ValueError, match=r"invalid chat request \(messages: .*list"):
+        parse_chat_request({"messages": "x"})
+
+
+def test_a_vllm_reply_with_fields_we_do_not_know_is_read():
+    completion = {
+        "id": "chatcmpl-1", "object": "chat.completion", "created": 1, "model": "m",
+        "choices": [{"index": 0, "finish_reason": "length", "stop_reason": None,
+                     "token_ids": [5, 6], "logprobs": {"content": [
+                         {"token": "a", "logprob": -1, "bytes": [97], "top_logprobs": []}]},
+                     "message": {"role": "assistant", "content": None, "tool_calls": [],
+                                 "reasoning_content": None}}],
+        "usage": {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                  "prompt_tokens_details": None},
+        "prompt_logprobs": None, "prompt_token_ids": [1, 2], "kv_transfer_params": None,
+    }
+    reply = parse_chat_completion(completion)
+    assert reply == ChatReply(text="", model="m", prompt_tokens=7, completion_tokens=2,
+                              finish_reason="length", token_ids=[5, 6],
+                              prompt_token_ids=[1, 2], logprobs=[-1.0])
+    terse = parse_chat_completion({"choices": [{"message": {"content": "hi"}}]})
+    assert (terse.text, terse.model, terse.prompt_tokens, terse.logprobs) == ("hi", None, 0, None)
+    assert parse_chat_completion(json.dumps(completion).encode()) == reply  # raw bytes too
+    for bad, missing in (({"choices": []}, "choices"), ({"choices": [{}]}, "choices.0.message"),
+                         ([1], "body"), (b"<html>", "body: Invalid JSON")):
+        with pytest.raises(ValueError, match=rf"not a chat completion \({missing}: "):
+            parse_chat_completion(bad)
+
+
+def test_error_bodies_in_both_forms():
+    flat = error_body(400, "too long")
+    assert flat == {"object": "error", "message": "too long", "type": "BadRequestError",
+                    "code": 400}
+    assert error_body(503, "busy")["type"] == "InternalServerError"
+    nested = {"error": {"message": "too long", "type": "BadRequestError", "code": 400}}
+    assert ErrorReply.model_validate(nested) == ErrorReply.model_validate(flat)
+
+
+async def test_a_malformed_reply_is_transient_and_says_what_is_missing(servers):
+    (srv,) = servers(1)
+    srv.faults = ["garbage", "garbage"]
+    pool = ModelServicePool(model_cfg([srv.url], retries=1))
+    try:
+        with pytest.raises(ModelUnavailable,
+                           match=r"malformed reply: not a chat completion \(choices: Field"):
+            await pool.generate(MESSAGES, "s")
+        assert (await pool.generate(MESSAGES, "s")).text  # the endpoint still serves
+    finally:
+        await pool.close()
+    assert srv.statuses["garbage"] == 2
+
+
+async def test_endpoint_snapshot(servers):
+    (srv,) = servers(1)
+    srv.faults = [500]
+    pool = ModelServicePool(model_cfg([srv.url], retries=0))
+    try:
+        with pytest.raises(ModelUnavailable):
+            await pool.generate(MESSAGES, "s")
+    finally:
+        await pool.close()
+    assert pool.stats()["endpoints"] == [{
+        "url": srv.url, "model_version": None, "draining": False, "outstanding": 0,
+        "served": 0, "consecutive_failures": 1, "ejected": False,
+        "last_error": "HTTP 500: fault 500",
+    }]

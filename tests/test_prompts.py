@@ -10,8 +10,8 @@ import zlib
 import pytest
 from PIL import Image
 
-from rollout.screenshot import Screenshot, png_size
 from prompts import SYSTEM_PROMPT, Turn, build_messages, build_prompt
+from rollout.screenshot import Screenshot, png_size
 from ui_tars_utils import parse_response
 
 

@@ -22,8 +22,9 @@ from typing import Any
 import pytest
 
 from desktop.display import XvfbDisplay, terminate_process
+from desktop.protocol import execute_command
 from tests.support import unavailable
-from ui_tars_utils import Action, execute_command, parse_response, screen_to_model, to_pyautogui
+from ui_tars_utils import Action, parse_response, screen_to_model, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
 PROBE_APP = Path(__file__).parent / "apps" / "probe_window.py"

@@ -1,6 +1,7 @@
 """The result scripts (scripts/show_result.py, experiment_result_stats.py,
-compare_exp_result.py, view_trajectory.py, plot_run.py and their results_io.py) on synthetic
-run directories whose figures are worked out by hand in tests/results_fixtures.py."""
+compare_exp_result.py, view_trajectory.py, plot_run.py) and the library they share,
+rollout.results, on synthetic run directories whose figures are worked out by hand in
+tests/results_fixtures.py."""
 
 from __future__ import annotations
 
@@ -19,17 +20,17 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from rollout.results import load_run
 from tests.results_fixtures import RUN_A, RUN_B, Ep, make_osworld_run, make_run
 from tests.support import unavailable
 
 REPO = Path(__file__).resolve().parent.parent
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))
+sys.path.insert(0, str(SCRIPTS))  # the scripts are files, not a package: import them as modules
 
 import compare_exp_result  # noqa: E402
 import experiment_result_stats  # noqa: E402
 import plot_run  # noqa: E402
-import results_io  # noqa: E402
 import show_result  # noqa: E402
 import view_trajectory  # noqa: E402
 
@@ -213,7 +214,7 @@ def test_help_of_every_script(capsys):
 def test_a_later_line_for_the_same_episode_wins(tmp_path):
     run = make_run(tmp_path, "dup", [Ep("os", "a", 0, "infra_error", None),
                                      Ep("os", "a", 0, "success", 1.0)])  # fmt: skip
-    loaded = results_io.load_run(run)
+    loaded = load_run(run)
     assert [e.status for e in loaded.episodes] == ["success"]
     assert "listed again" in str(loaded.problems[0])
 
@@ -429,7 +430,7 @@ def test_plots_from_metrics_results_and_trajectories(run_a, tmp_path, capsys):
     for name in plot_run.PLOTS:
         with Image.open(out / f"{name}.png") as image:
             assert image.format == "PNG" and image.size[0] >= 600
-    model_s, env_s, problems = plot_run.step_latencies(results_io.load_run(run_a))
+    model_s, env_s, problems = plot_run.step_latencies(load_run(run_a))
     assert len(model_s) == len(env_s) == sum(e.steps for e in RUN_A) and problems == []
 
 
@@ -474,13 +475,40 @@ def test_every_script_runs_as_a_command_from_another_cwd(run_a, run_b, tmp_path)
     assert missing.stderr.strip() == "show_result.py: error: no_such_run: no such directory"
 
 
-def test_the_scripts_import_neither_ray_nor_matplotlib_up_front(tmp_path):
+def test_the_scripts_and_the_library_import_no_heavy_module_up_front(tmp_path):
+    # Reading results needs no Ray; matplotlib and PIL only when a script draws.
     names = ", ".join(Path(s).stem for s in ALL_SCRIPTS)
-    code = (
-        f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import {names}; "
-        "print(sorted(m for m in ('ray', 'matplotlib') if m in sys.modules))"
-    )
-    done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
-                          text=True, timeout=60)  # fmt: skip
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == "[]"
+    heavy = ("ray", "matplotlib", "PIL")
+    for imports in (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import {names}",
+                    "import sys, rollout.results"):  # fmt: skip
+        code = f"{imports}; print(sorted(m for m in {heavy!r} if m in sys.modules))"
+        done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)  # fmt: skip
+        assert done.returncode == 0, done.stderr
+        assert done.stdout.strip() == "[]", imports
+
+
+def test_the_scripts_use_the_package_not_sys_path():
+    for script in sorted(SCRIPTS.glob("*.py")):
+        text = script.read_text()
+        assert "sys.path" not in text, script.name
+        assert "from rollout.results import" in text, script.name
+    assert not (SCRIPTS / "results_io.py").exists()
+
+
+def test_public_surface_of_rollout_results():
+    import importlib
+
+    package = importlib.import_module("rollout.results")
+    for module_name in ("runs", "rates", "summary", "cli"):
+        module = importlib.import_module(f"rollout.results.{module_name}")
+        for name in module.__all__:
+            assert not name.startswith("_") and hasattr(module, name), (module_name, name)
+            assert getattr(package, name) is getattr(module, name), name
+    assert sorted(package.__all__) == sorted(
+        name for m in ("runs", "rates", "summary", "cli")
+        for name in importlib.import_module(f"rollout.results.{m}").__all__
+    )  # fmt: skip
+    for script in ALL_SCRIPTS:
+        module = importlib.import_module(Path(script).stem)
+        assert "main" in module.__all__ and all(hasattr(module, n) for n in module.__all__)

@@ -24,10 +24,27 @@ from typing import Any
 import psutil
 import pytest
 
-import run_model
 from config import ModelConfig, ModelPoolConfig, SamplingConfig
+from model_service_pool import Generation, ModelServicePool
 from rollout.errors import ConfigError, ModelRequestError
-from model_service_pool import ENDPOINTS_FILE, Generation, ModelServicePool
+from rollout.fleet.checkpoints import (
+    checkpoint_version,
+    newest_checkpoint,
+    resolve_checkpoint,
+    same_architecture,
+)
+from rollout.fleet.control import ControlClient, ControlServer
+from rollout.fleet.devices import assign_devices, parse_nvidia_smi_list
+from rollout.fleet.processes import (
+    API_SERVER_MODULE,
+    group_members,
+    replica_process,
+    sweep_stale_replicas,
+    terminate_tree,
+)
+from rollout.fleet.replica_api import parse_vllm_load
+from rollout.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
+from rollout.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
 from tests.support import unavailable
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -130,18 +147,18 @@ class Stream:
 
 
 def test_assign_devices_splits_gpus_per_replica_and_explains_shortage():
-    assert run_model.assign_devices(2, 2, None, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
-    assert run_model.assign_devices(2, 1, [5, 7], ["5", "6", "7"]) == ["5", "7"]
-    assert run_model.assign_devices(1, 1, None, ["0", "1"], visible="1") == ["1"]
-    assert run_model.assign_devices(3, 1, None, []) is None  # no GPU: the CPU build
+    assert assign_devices(2, 2, None, ["0", "1", "2", "3"]) == ["0,1", "2,3"]
+    assert assign_devices(2, 1, [5, 7], ["5", "6", "7"]) == ["5", "7"]
+    assert assign_devices(1, 1, None, ["0", "1"], visible="1") == ["1"]
+    assert assign_devices(3, 1, None, []) is None  # no GPU: the CPU build
     with pytest.raises(ConfigError, match=r"needs 4 GPUs .* only 3 are available"):
-        run_model.assign_devices(2, 2, None, ["0", "1", "2"])
+        assign_devices(2, 2, None, ["0", "1", "2"])
     with pytest.raises(ConfigError, match="no GPU was found"):
-        run_model.assign_devices(1, 1, [0], [])
+        assign_devices(1, 1, [0], [])
     with pytest.raises(ConfigError, match=r"no such GPU \[9\]"):
-        run_model.assign_devices(1, 1, [9], ["0"])
+        assign_devices(1, 1, [9], ["0"])
     text = "GPU 0: NVIDIA A100-SXM4-80GB (UUID: GPU-1)\nGPU 1: NVIDIA A100 (UUID: GPU-2)\n"
-    assert run_model.parse_nvidia_smi_list(text) == ["0", "1"]
+    assert parse_nvidia_smi_list(text) == ["0", "1"]
 
 
 def test_metrics_parsing_and_restart_backoff():
@@ -152,9 +169,9 @@ def test_metrics_parsing_and_restart_backoff():
         'vllm:num_requests_waiting_by_reason{engine="0",reason="capacity"} 7.0\n'
         'vllm:num_requests_running{engine="1",model_name="tiny"} 1.0\n'
     )
-    assert run_model.parse_vllm_load(text) == (4, 2)
+    assert parse_vllm_load(text) == (4, 2)
     pool = ModelPoolConfig(restart_backoff_initial_s=2, restart_backoff_max_s=10)
-    delays = [run_model.restart_delay_s(pool, n) for n in range(1, 6)]
+    delays = [restart_delay_s(pool, n) for n in range(1, 6)]
     assert delays == [2, 4, 8, 10, 10]
 
 
@@ -169,25 +186,25 @@ def _fake_checkpoint(path: Path, weights: bytes = b"w", config: dict | None = No
 def test_checkpoint_version_architecture_and_resolution(tmp_path):
     a = _fake_checkpoint(tmp_path / "step-1")
     b = _fake_checkpoint(tmp_path / "step-2", weights=b"other")
-    va = run_model.checkpoint_version(str(a))
-    assert va.startswith("step-1-") and va == run_model.checkpoint_version(str(a))
+    va = checkpoint_version(str(a))
+    assert va.startswith("step-1-") and va == checkpoint_version(str(a))
     os.utime(a / "model.safetensors", ns=(1, 10**18))
-    assert run_model.checkpoint_version(str(a)) != va  # rewritten: a new version
-    assert run_model.same_architecture(str(a), str(b))
+    assert checkpoint_version(str(a)) != va  # rewritten: a new version
+    assert same_architecture(str(a), str(b))
     (b / "tokenizer.json").write_text('{"changed": true}')
-    assert not run_model.same_architecture(str(a), str(b))  # a new tokenizer: restart
+    assert not same_architecture(str(a), str(b))  # a new tokenizer: restart
     c = _fake_checkpoint(tmp_path / "step-3", config={"model_type": "qwen2", "layers": 3})
-    assert not run_model.same_architecture(str(a), str(c))
-    assert run_model.resolve_checkpoint(str(a)) == str(a.resolve())
-    assert run_model.resolve_checkpoint("Qwen/Qwen2-0.5B") == "Qwen/Qwen2-0.5B"  # hub id
+    assert not same_architecture(str(a), str(c))
+    assert resolve_checkpoint(str(a)) == str(a.resolve())
+    assert resolve_checkpoint("Qwen/Qwen2-0.5B") == "Qwen/Qwen2-0.5B"  # hub id
     with pytest.raises(ConfigError, match="no such file"):
-        run_model.resolve_checkpoint(str(tmp_path / "missing"))
+        resolve_checkpoint(str(tmp_path / "missing"))
     with pytest.raises(ConfigError, match=r"no config\.json"):
-        run_model.resolve_checkpoint(str(tmp_path))
+        resolve_checkpoint(str(tmp_path))
 
 
 def test_newest_checkpoint_skips_incomplete_ones(tmp_path):
-    assert run_model.newest_checkpoint(tmp_path) is None
+    assert newest_checkpoint(tmp_path) is None
     old = _fake_checkpoint(tmp_path / "step-1")
     os.utime(old / "model.safetensors", ns=(1, 10**18))
     half = tmp_path / "step-3"
@@ -200,19 +217,19 @@ def test_newest_checkpoint_skips_incomplete_ones(tmp_path):
     (sharded / "model.safetensors.index.json").write_text(json.dumps(
         {"weight_map": {"a": "model-1.safetensors", "b": "model-2.safetensors"}}
     ))  # shard 2 missing
-    found = run_model.newest_checkpoint(tmp_path)
+    found = newest_checkpoint(tmp_path)
     assert found is not None and found.path == old.resolve()
     (sharded / "model-2.safetensors").write_bytes(b"y")
     os.utime(sharded / "model-2.safetensors", ns=(1, 2 * 10**18))
-    found = run_model.newest_checkpoint(tmp_path)
+    found = newest_checkpoint(tmp_path)
     assert found is not None and found.path == sharded.resolve()
 
 
 def test_state_file_mtime_always_moves_forward(tmp_path):
-    path = tmp_path / "endpoints.json"
+    path = tmp_path / ENDPOINTS_FILE
     last = 0
     for i in range(20):  # faster than the filesystem's timestamp granularity
-        mtime = run_model._atomic_write(path, json.dumps({"i": i}), min_mtime_ns=last)
+        mtime = write_state(tmp_path, {"i": i}, min_mtime_ns=last)
         assert mtime > last and path.stat().st_mtime_ns == mtime
         last = mtime
     assert json.loads(path.read_text()) == {"i": 19}
@@ -224,13 +241,13 @@ def test_stale_sweep_stops_only_provable_replicas(tmp_path):
     recorded port and it started when recorded; anything else is left alone."""
     sleeper = "import time; time.sleep(300)"
     replica = subprocess.Popen(  # looks like a replica: module and port in its command line
-        [sys.executable, "-c", sleeper, "-m", run_model.API_SERVER_MODULE, "--port", "18999"],
+        [sys.executable, "-c", sleeper, "-m", API_SERVER_MODULE, "--port", "18999"],
         start_new_session=True,
     )
     other = subprocess.Popen([sys.executable, "-c", sleeper, "--port", "18998"],
                              start_new_session=True)
     reused = subprocess.Popen(  # right command line, but not started when recorded
-        [sys.executable, "-c", sleeper, "-m", run_model.API_SERVER_MODULE, "--port", "18997"],
+        [sys.executable, "-c", sleeper, "-m", API_SERVER_MODULE, "--port", "18997"],
         start_new_session=True,
     )
     try:
@@ -242,7 +259,7 @@ def test_stale_sweep_stops_only_provable_replicas(tmp_path):
             {"pid": replica.pid, "port": 18000, "started_at": now},  # wrong port
             {"pid": None, "port": 18100},
         ]}))
-        assert run_model.sweep_stale_replicas(tmp_path, stop_timeout_s=10) == [replica.pid]
+        assert sweep_stale_replicas(tmp_path, stop_timeout_s=10) == [replica.pid]
         assert replica.wait(timeout=10) == -signal.SIGTERM
         assert other.poll() is None and reused.poll() is None
     finally:
@@ -250,6 +267,55 @@ def test_stale_sweep_stops_only_provable_replicas(tmp_path):
             if p.poll() is None:
                 p.kill()
             p.wait()
+
+
+class _StubSupervisor:
+    """What the control routes call, with the answers a real supervisor gives."""
+
+    def __init__(self) -> None:
+        self.outcomes: list[ReloadOutcome] = []
+        self.requested: list[str] = []
+
+    async def status(self) -> dict[str, Any]:
+        return {"model": MODEL_NAME, "endpoints": []}
+
+    def request_reload(self, checkpoint: str) -> ReloadOutcome:
+        self.requested.append(checkpoint)
+        return self.outcomes.pop(0)
+
+
+async def test_control_routes_map_reload_outcomes_to_http(tmp_path):
+    """The control API without vLLM: bearer token, and each reload outcome's HTTP status."""
+    stub = _StubSupervisor()
+    server = ControlServer(stub)  # type: ignore[arg-type]
+    url = server.start(asyncio.get_running_loop())
+    try:
+        (tmp_path / CONTROL_FILE).write_text(json.dumps(
+            {"url": url, "token": server.token, "pid": os.getpid()}
+        ))
+        client = ControlClient.find(tmp_path, timeout_s=10)
+        assert client is not None and client.url == url
+        response = await asyncio.to_thread(client.status)
+        assert response.status_code == 200 and response.json()["model"] == MODEL_NAME
+        intruder = ControlClient(url, "wrong", timeout_s=10)
+        assert (await asyncio.to_thread(intruder.status)).status_code == 401
+        running: Any = {"id": 1, "checkpoint": "/ckpt/a"}
+        stub.outcomes = [
+            ReloadOutcome(running),
+            ReloadOutcome(running, ReloadRefusal.BUSY, "a reload to /ckpt/a is already running"),
+            ReloadOutcome(None, ReloadRefusal.NOT_STARTED, "the replicas are not started yet"),
+            ReloadOutcome(None, ReloadRefusal.BAD_CHECKPOINT, "checkpoint x: no such file"),
+        ]
+        replies = [await asyncio.to_thread(client.reload, "/ckpt/a") for _ in range(4)]
+        assert [r.status_code for r in replies] == [202, 409, 409, 400]
+        assert replies[0].json() == {"reload": running}
+        assert replies[1].json() == {"error": "a reload to /ckpt/a is already running",
+                                     "reload": running}
+        assert replies[2].json() == {"error": "the replicas are not started yet"}
+        assert replies[3].json() == {"error": "checkpoint x: no such file"}
+        assert stub.requested == ["/ckpt/a"] * 4
+    finally:
+        server.stop()
 
 
 def test_bad_config_exits_2_with_the_key_path(tmp_path):
@@ -371,16 +437,16 @@ def pool(models: Models, tmp_path_factory) -> Pool:
                 proc.wait()
         # The supervisor stops its replicas; if it could not, stop the ones it reported.
         for pid, port in handle.replica_ports.items():
-            proc = run_model._replica_process(pid, port, None)
+            proc = replica_process(pid, port, None)
             if proc is not None:
-                run_model._terminate_tree(proc, 10)
+                terminate_tree(proc, 10)
 
 
 @pytest.mark.integration
 def test_supervisor_publishes_healthy_replicas_and_status(pool: Pool):
     state = pool.state()
     endpoints = pool.endpoints()
-    version = run_model.checkpoint_version(str(pool.models.first))
+    version = checkpoint_version(str(pool.models.first))
     assert state["supervisor"]["pid"] == pool.proc.pid
     assert state["model_version"] == version and state["model"] == MODEL_NAME
     assert len({e["port"] for e in endpoints}) == 2
@@ -388,10 +454,10 @@ def test_supervisor_publishes_healthy_replicas_and_status(pool: Pool):
         assert e["healthy"] and not e["draining"] and e["model_version"] == version
         assert e["restarts"] == 0 and e["url"] == f"http://127.0.0.1:{e['port']}"
         cmdline = psutil.Process(e["pid"]).cmdline()
-        assert run_model.API_SERVER_MODULE in cmdline
+        assert API_SERVER_MODULE in cmdline
         assert str(pool.models.first.resolve()) in cmdline
         assert Path(e["log"]).is_file()
-    control = pool.state_dir / run_model.CONTROL_FILE
+    control = pool.state_dir / CONTROL_FILE
     assert control.stat().st_mode & 0o777 == 0o600  # it holds the control token
 
     result = run_cli("status", "--config", str(pool.config))
@@ -407,7 +473,7 @@ def test_supervisor_publishes_healthy_replicas_and_status(pool: Pool):
 
 @pytest.mark.integration
 async def test_pool_routes_requests_to_both_replicas(pool: Pool):
-    version = run_model.checkpoint_version(str(pool.models.first))
+    version = checkpoint_version(str(pool.models.first))
     client = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
     try:
         gens = await asyncio.gather(*(client.generate(MESSAGES, f"s{i}") for i in range(12)))
@@ -467,7 +533,7 @@ async def test_killed_replica_loses_no_request_and_comes_back(pool: Pool):
 
     revived = await asyncio.to_thread(wait_for, back, RESTART_TIMEOUT_S, "the replica's restart")
     assert revived["restarts"] == 1 and revived["url"] == victim["url"]
-    assert not alive(victim["pid"]) and not run_model.group_members(victim["pid"])
+    assert not alive(victim["pid"]) and not group_members(victim["pid"])
     fresh = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
     try:
         gens = await asyncio.gather(*(fresh.generate(MESSAGES, f"t{i}") for i in range(8)))
@@ -484,7 +550,7 @@ def test_watch_rolls_out_a_checkpoint_written_to_the_directory(pool: Pool):
         os.utime(f, ns=(now_ns, now_ns))
     target = pool.models.watch_dir / staged.name
     staged.rename(target)  # appears complete at once, as a trainer should write it
-    version = run_model.checkpoint_version(str(target))
+    version = checkpoint_version(str(target))
 
     def rolled_out() -> bool:
         state = pool.state()
@@ -500,7 +566,7 @@ def test_watch_rolls_out_a_checkpoint_written_to_the_directory(pool: Pool):
 @pytest.mark.integration
 async def test_rolling_reload_under_load_fails_no_request(pool: Pool):
     old_version = pool.state()["model_version"]
-    new_version = run_model.checkpoint_version(str(pool.models.second))
+    new_version = checkpoint_version(str(pool.models.second))
     assert new_version != old_version
     client = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
     stream = Stream(client, workers=4)
@@ -535,17 +601,17 @@ def test_sigterm_stops_the_supervisor_and_its_replicas_only(pool: Pool):
                                  start_new_session=True)
     try:
         endpoints = pool.endpoints()
-        groups = {e["pid"]: run_model.group_members(e["pid"]) for e in endpoints}
+        groups = {e["pid"]: group_members(e["pid"]) for e in endpoints}
         assert all(len(members) >= 2 for members in groups.values())  # server + engine
         pool.proc.send_signal(signal.SIGTERM)
         assert pool.proc.wait(timeout=STOP_TIMEOUT_S) == 0, pool.log_tail()
         for leader, members in groups.items():
             assert not any(alive(pid) for pid in members), (leader, members)
-            assert not run_model.group_members(leader)
+            assert not group_members(leader)
         assert bystander.poll() is None  # nothing else was touched
         state = pool.state()
         assert state["endpoints"] == [] and state["supervisor"] is None
-        assert not (pool.state_dir / run_model.CONTROL_FILE).exists()
+        assert not (pool.state_dir / CONTROL_FILE).exists()
         result = run_cli("status", "--config", str(pool.config))
         assert result.returncode == 1 and "not running" in result.stdout
     finally:

@@ -11,12 +11,13 @@ import pytest
 from PIL import Image
 
 from config import ModelConfig
-from rollout.errors import ConfigError
 from model_service_pool import ModelServicePool
-from rollout.screenshot import Screenshot
 from prompts import Turn, build_messages
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from rollout.errors import ConfigError
 from rollout.http import ThreadedServer
+from rollout.openai_protocol import ChatCompletion, ErrorReply, parse_chat_completion
+from rollout.screenshot import Screenshot
+from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
 from ui_tars_utils import parse_response, to_pyautogui
 
 SOLUTION = [
@@ -128,7 +129,24 @@ def test_bad_requests_get_openai_style_errors(tmp_path):
         r = httpx.post(server.url + "/v1/chat/completions", content=b"nope",
                        headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "not JSON" in r.json()["message"]
+        assert r.json() == {"object": "error", "message": "the request body is not JSON",
+                            "type": "BadRequestError", "code": 400}
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": "x"})
-        assert r.status_code == 400
+        assert r.status_code == 400 and "messages" in r.json()["message"]
+        assert ErrorReply.model_validate(r.json()).code == 400
         assert httpx.get(server.url + "/v1/models").json()["data"][0]["id"] == "scripted-ui-tars"
         assert httpx.get(server.url + "/health").status_code == 200
+
+
+def test_replies_are_chat_completions_of_the_protocol(tmp_path):
+    import httpx
+
+    policy = ScriptedPolicy(load_solutions([write_tasks(tmp_path)]))
+    with ThreadedServer(create_app(policy)) as server:
+        messages = build_messages("Write hello in the editor", [], png())
+        r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages})
+    completion = ChatCompletion.model_validate(r.json())
+    assert completion.model == "scripted-ui-tars" and completion.id.startswith("chatcmpl-")
+    reply = parse_chat_completion(r.json())
+    assert reply.text == SOLUTION[0] and reply.finish_reason == "stop"
+    assert reply.completion_tokens == len(SOLUTION[0].split()) and reply.prompt_tokens == 0

@@ -19,17 +19,17 @@ from benchmarks.sim_world import (
     DesktopSim,
     EpisodeLengths,
     Latency,
+    ModelApp,
     ModelSim,
     SimWorld,
-    _ModelApp,
     sim_reply,
     summarize_request,
 )
 from config import DesktopsConfig, ModelConfig, SamplingConfig, StaticDesktopsConfig
 from env_k8s import Desktop, RemoteDesktopEnv, StaticProvider, close_shared_client
 from model_service_pool import ModelServicePool
-from rollout.screenshot import Screenshot, png_size
 from prompts import Turn, build_messages
+from rollout.screenshot import Screenshot, png_size
 from ui_tars_utils import parse_response, smart_resize
 
 ACTION_S = 0.2
@@ -145,7 +145,7 @@ def test_model_latency_grows_with_speed_factor_tokens_and_load():
     cfg = ModelSim(base_latency_s=0.1, per_token_s=0.01, prefill_s_per_1k_tokens=0.0,
                    capacity=2, speed_factors=(1.0, 2.0))
     body = _body(build_messages("sim task 5", [], _png(0)))
-    fast, slow = _ModelApp(cfg, 0), _ModelApp(cfg, 1)
+    fast, slow = ModelApp(cfg, 0), ModelApp(cfg, 1)
     replies = [fast(b"POST", b"/v1/chat/completions", body) for _ in range(4)]
     tokens = json.loads(replies[0].body)["usage"]["completion_tokens"]
     one = 0.1 + 0.01 * tokens

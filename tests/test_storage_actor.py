@@ -25,9 +25,9 @@ async def test_an_episode_lands_in_the_documented_layout(tmp_path: Path):
     await storage.start_run({"run": "t", "config": {"a": 1}})
     episode = "web/task-1/0"
     await storage.begin_episode(episode, 0, {"id": "task-1", "instruction": "do it"})
-    await storage.write_step(episode, 0, None, PNG, "step_0.png")
-    await storage.write_step(episode, 0, {"step_num": 1}, PNG, "step_1.png")
-    await storage.write_step(episode, 0, {"step_num": 2, "done": True}, None, None)
+    await storage.write_step(episode, 0, None, "step_0.png", PNG)
+    await storage.write_step(episode, 0, {"step_num": 1}, "step_1.png", PNG)
+    await storage.write_step(episode, 0, {"step_num": 2, "done": True})
     await storage.finish_episode(episode, 0, _record(episode), [{"role": "user"}])
     await storage.record_result(_record(episode))
     await storage.write_metrics({"t": 1.0, "steps": 2})
@@ -58,12 +58,12 @@ async def test_writes_of_a_superseded_attempt_are_dropped(tmp_path: Path):
     await storage.start_run({})
     episode = "d/t/1"
     await storage.begin_episode(episode, 0, {"id": "t"})
-    await storage.write_step(episode, 0, {"step_num": 1, "attempt": 0}, PNG, "step_1.png")
+    await storage.write_step(episode, 0, {"step_num": 1, "attempt": 0}, "step_1.png", PNG)
     # The runner died; the coordinator restarted the episode elsewhere, while a late write
     # of the dead attempt is still queued behind the restart.
     await storage.begin_episode(episode, 1, {"id": "t"})
-    await storage.write_step(episode, 0, {"step_num": 2, "attempt": 0}, PNG, "step_2.png")
-    await storage.write_step(episode, 1, {"step_num": 1, "attempt": 1}, None, None)
+    await storage.write_step(episode, 0, {"step_num": 2, "attempt": 0}, "step_2.png", PNG)
+    await storage.write_step(episode, 1, {"step_num": 1, "attempt": 1})
     await storage.finish_episode(episode, 0, _record(episode, 0), None)
     await storage.flush()
     directory = tmp_path / episode
@@ -99,8 +99,8 @@ async def test_callers_wait_when_the_queue_is_full(tmp_path: Path, monkeypatch):
     monkeypatch.setattr(storage, "_handle", slow_handle)
     episode = "d/t/0"
     await storage.begin_episode(episode, 0, {"id": "t"})  # taken by the writer, held
-    await storage.write_step(episode, 0, {"step_num": 1}, None, None)  # fills the queue
-    blocked = asyncio.create_task(storage.write_step(episode, 0, {"step_num": 2}, None, None))
+    await storage.write_step(episode, 0, {"step_num": 1})  # fills the queue
+    blocked = asyncio.create_task(storage.write_step(episode, 0, {"step_num": 2}))
     await asyncio.sleep(0.2)
     assert not blocked.done(), "a full queue must make the caller wait"
     gate.set()

@@ -1,24 +1,33 @@
 """The runner's decisions on a parsed reply (terminal actions, call_user, unparseable
-replies) and the shape of its results; the episode loop itself runs on real Ray and real
-desktops in test_agent_coordinator.py and test_run.py."""
+replies), how an error ends an episode, and the shape of results; the episode loop itself is
+exercised in tests/component/test_episode_loop.py (fakes) and on real Ray and real desktops
+in the integration tests."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 from config import load_config
-from task_loader import EpisodeSpec
-from trajectory_runner import STATUSES, TrajectoryRunner, _Episode, infra_result
-from ui_tars_utils import DONE, FAIL, WAIT, parse_response
+from env_k8s import DONE, FAIL, WAIT
+from rollout.errors import (
+    DesktopError,
+    DesktopUnavailable,
+    ModelRequestError,
+    ModelUnavailable,
+    TaskSetupError,
+    UnsupportedEvaluator,
+    UnsupportedSetupStep,
+)
+from rollout.types import STATUSES, EpisodeSpec, infra_result
+from trajectory_runner import Decider, episode_error
+from ui_tars_utils import parse_response
 
 ROOT = Path(__file__).resolve().parent.parent
 TASK = {"id": "t1", "instruction": "do it", "evaluator": {"func": "infeasible"}}
 
 
-def _episode(*sets: str) -> _Episode:
-    cfg = load_config(ROOT / "configs" / "demo.yaml", list(sets))
-    runner = TrajectoryRunner(cfg, desktop_pool=None, storage=None, runner_id="r")
-    return _Episode(runner, EpisodeSpec("t1", "d", 0, TASK), [])
+def _decider(*sets: str) -> Decider:
+    return Decider(load_config(ROOT / "configs" / "demo.yaml", list(sets)).runner)
 
 
 def _parsed(action: str):
@@ -26,21 +35,41 @@ def _parsed(action: str):
 
 
 def test_terminal_actions_and_what_runs_before_them():
-    episode = _episode()
-    assert episode._decide(_parsed("finished(content='ok')")) == (None, DONE)
-    assert episode._decide(_parsed("wait()")) == (None, WAIT)
-    code, terminal = episode._decide(_parsed("click(start_box='(10,10)')\n\nfinished()"))
+    decider = _decider()
+    assert decider.decide(_parsed("finished(content='ok')")) == (None, DONE)
+    assert decider.decide(_parsed("wait()")) == (None, WAIT)
+    code, terminal = decider.decide(_parsed("click(start_box='(10,10)')\n\nfinished()"))
     assert terminal == DONE and code.startswith("pyautogui.click(")
-    code, terminal = episode._decide(_parsed("hotkey(key='ctrl s')"))
+    code, terminal = decider.decide(_parsed("hotkey(key='ctrl s')"))
     assert terminal is None and "hotkey" in code
-    assert episode._decide(None) == (None, FAIL)  # unparseable after every retry
+    assert decider.decide(None) == (None, FAIL)  # unparseable after every retry
 
 
 def test_call_user_fails_or_waits_up_to_the_configured_number():
-    assert _episode()._decide(_parsed("call_user()")) == (None, FAIL)
-    waiting = _episode("runner.call_user=wait", "runner.call_user_max_waits=2")
-    decisions = [waiting._decide(_parsed("call_user()"))[1] for _ in range(3)]
+    assert _decider().decide(_parsed("call_user()")) == (None, FAIL)
+    waiting = _decider("runner.call_user=wait", "runner.call_user_max_waits=2")
+    decisions = [waiting.decide(_parsed("call_user()"))[1] for _ in range(3)]
     assert decisions == [WAIT, WAIT, FAIL]
+
+
+def test_how_each_error_ends_an_episode_is_the_errors_class():
+    # (error, retryable, desktop healthy)
+    cases = {
+        DesktopError("x/execute: cannot connect"): (True, False),
+        DesktopUnavailable("no desktop"): (True, False),
+        TaskSetupError("launch failed"): (True, True),
+        UnsupportedSetupStep("googledrive"): (False, True),
+        UnsupportedEvaluator("compare_pdf"): (False, True),
+        ModelUnavailable("no endpoint"): (True, True),
+        ModelRequestError(400, "too long"): (False, True),
+        KeyError("a bug of ours"): (False, True),
+    }
+    for exc, expected in cases.items():
+        text, retryable, healthy = episode_error(exc, "d0")
+        assert (retryable, healthy) == expected, exc
+        assert str(exc).strip("'") in text
+    assert episode_error(DesktopError("boom"), None)[0] == "desktop (none leased): boom"
+    assert episode_error(UnsupportedEvaluator("m"), "d0")[0] == "evaluator: m"
 
 
 def test_an_infra_result_is_never_a_score():

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from desktop.protocol import execute_command
 from rollout.errors import ActionParseError
 from ui_tars_utils import (
     ACTION_KINDS,
@@ -21,7 +22,6 @@ from ui_tars_utils import (
     WAIT,
     Action,
     add_box_token,
-    execute_command,
     format_action,
     format_response,
     model_to_screen,

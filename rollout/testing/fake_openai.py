@@ -1,13 +1,10 @@
-"""A fake OpenAI/vLLM chat server on a real loopback port, with scripted misbehaviour.
-
-It runs uvicorn in a thread with its own event loop, so async tests can talk to it over
-real HTTP. Behaviour is set per server (latency) or per request (a queue of faults).
-"""
+"""A fake OpenAI/vLLM chat server on a real loopback port (uvicorn in a thread with its own
+loop), speaking ``rollout.openai_protocol``, with scripted misbehaviour: latency per server,
+a queue of faults per request."""
 
 from __future__ import annotations
 
 import asyncio
-import time
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +13,19 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.http import ThreadedServer
+from rollout.openai_protocol import (
+    CHAT_COMPLETIONS_PATH,
+    HEALTH_PATH,
+    MODELS_PATH,
+    completion_body,
+    error_body,
+    models_body,
+    parse_chat_request,
+)
+
+__all__ = ["FakeOpenAIServer"]
+
+_PROMPT_TOKENS = 11  # what every reply claims the prompt was
 
 
 class FakeOpenAIServer(ThreadedServer):
@@ -24,6 +34,7 @@ class FakeOpenAIServer(ThreadedServer):
     ``faults`` is a queue consumed one per chat request: an int is an HTTP status answered
     with an OpenAI-style error body, ``"hang"`` never answers, ``"garbage"`` answers 200 with
     a body that is not a completion, ``"drop"`` closes the connection without a reply.
+    ``reply`` gets each request's decoded body (a dict), as ``requests`` records it.
     """
 
     def __init__(
@@ -49,15 +60,15 @@ class FakeOpenAIServer(ThreadedServer):
     def _build_app(self) -> FastAPI:
         app = FastAPI()
 
-        @app.get("/health")
+        @app.get(HEALTH_PATH)
         async def health() -> PlainTextResponse:
             return PlainTextResponse("", status_code=200 if self.healthy else 503)
 
-        @app.get("/v1/models")
+        @app.get(MODELS_PATH)
         async def models() -> dict[str, Any]:
-            return {"object": "list", "data": [{"id": self.model, "object": "model"}]}
+            return models_body(self.model)
 
-        @app.post("/v1/chat/completions")
+        @app.post(CHAT_COMPLETIONS_PATH)
         async def chat(request: Request) -> Any:
             body = await request.json()
             self.requests.append(body)
@@ -72,41 +83,28 @@ class FakeOpenAIServer(ThreadedServer):
                     await asyncio.sleep(self.latency_s)
                 if isinstance(fault, int):
                     self.statuses[fault] += 1
-                    return JSONResponse(
-                        {"object": "error", "message": f"fault {fault}", "type": "BadRequest",
-                         "code": fault},
-                        status_code=fault,
-                    )
+                    return JSONResponse(error_body(fault, f"fault {fault}"), status_code=fault)
                 if fault == "garbage":
                     self.statuses["garbage"] += 1
                     return JSONResponse({"unexpected": True})
                 if fault == "drop":
                     raise ConnectionResetError("dropped by the fake server")
+                try:
+                    chat = parse_chat_request(body)
+                except ValueError as exc:
+                    self.statuses[400] += 1
+                    return JSONResponse(error_body(400, str(exc)), status_code=400)
                 self.statuses[200] += 1
                 text = self.reply(body)
-                choice: dict[str, Any] = {
-                    "index": 0,
-                    "message": {"role": "assistant", "content": text},
-                    "finish_reason": "stop",
-                }
-                if body.get("return_token_ids"):
-                    choice["token_ids"] = list(range(len(text.split())))
-                if body.get("logprobs"):
-                    choice["logprobs"] = {
-                        "content": [{"token": w, "logprob": -0.5} for w in text.split()]
-                    }
-                out: dict[str, Any] = {
-                    "id": "chatcmpl-fake",
-                    "object": "chat.completion",
-                    "created": int(time.time()),
-                    "model": self.model,
-                    "choices": [choice],
-                    "usage": {"prompt_tokens": 11, "completion_tokens": len(text.split()),
-                              "total_tokens": 11 + len(text.split())},
-                }
-                if body.get("return_token_ids"):
-                    out["prompt_token_ids"] = list(range(11))
-                return out
+                words = text.split()
+                return completion_body(
+                    text, model=self.model, completion_id="chatcmpl-fake",
+                    prompt_tokens=_PROMPT_TOKENS, completion_tokens=len(words),
+                    token_ids=list(range(len(words))) if chat.return_token_ids else None,
+                    prompt_token_ids=list(range(_PROMPT_TOKENS)) if chat.return_token_ids
+                    else None,
+                    logprobs=[(w, -0.5) for w in words] if chat.logprobs else None,
+                )
             finally:
                 self.in_flight -= 1
 

@@ -1,5 +1,6 @@
-"""One local desktop: Xvfb + window manager + its own D-Bus session bus and AT-SPI, its own
-HOME, and the desktop server, all tagged so a reset can find the session's apps.
+"""One local desktop on the controller's machine, the ``local`` provider's launcher (a
+desktop image does not need this module): Xvfb + window manager + its own D-Bus session bus
+and AT-SPI, its own HOME, and the desktop server, all tagged so a reset can find its apps.
 
 Every process of a session carries ``CUA_DESKTOP_ID`` in its environment (children inherit
 it), so reset kills exactly this desktop's apps, wherever they were started from. Pids are
@@ -23,15 +24,19 @@ from pathlib import Path
 import httpx
 import psutil
 
+import desktop
 from desktop.display import XvfbDisplay, terminate_process
+from desktop.errors import DisplayError
 from rollout.errors import DesktopError
+
+__all__ = ["MARKER", "SESSION_FILE", "LocalDesktopSession", "sweep_stale_sessions"]
 
 MARKER = "CUA_DESKTOP_ID"
 SESSION_FILE = "session.json"
 AT_SPI_LAUNCHER = "/usr/libexec/at-spi-bus-launcher"
 # Openbox's settings for every desktop: fixed window placement (the demo tasks' reference
 # solutions click at fixed coordinates) and no binding a stray scroll or hotkey could trigger.
-OPENBOX_RC = Path(__file__).with_name("openbox-rc.xml")
+OPENBOX_RC = Path(desktop.__file__).with_name("openbox-rc.xml")
 _HOME_DIRS = ("Desktop", "Documents", "Downloads")
 _STOP_TIMEOUT_S = 5.0
 
@@ -97,7 +102,11 @@ class LocalDesktopSession:
                 window_manager=[wm, "--config-file", str(OPENBOX_RC)] if wm == "openbox" else wm,
                 tmp_dir=tmp,
                 start_timeout_s=max(1.0, deadline - time.monotonic()),
-            ).start()
+            )
+            try:
+                self.display.start()
+            except DisplayError as exc:  # the desktop side's error, in the controller's tree
+                raise DesktopError(f"{self.id}: {exc}") from exc
             self._env = self.display.env(base)
             self._start_dbus(deadline)
             if os.path.exists(AT_SPI_LAUNCHER):
@@ -257,8 +266,9 @@ class LocalDesktopSession:
         if self.token_env:
             argv += ["--token-env", self.token_env]
         # Apps the server launches start in the desktop's HOME, as on a real desktop; the
-        # project stays importable for the server through PYTHONPATH.
-        root = str(Path(__file__).resolve().parent.parent)
+        # desktop package stays importable for the server through PYTHONPATH (its parent
+        # directory: the server needs desktop/ alone).
+        root = str(Path(desktop.__file__).resolve().parent.parent)
         self._env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p
         )

@@ -1,0 +1,119 @@
+"""Routes that run code on the desktop: ``/execute`` (and ``/setup/execute``),
+``/run_python`` and ``/run_bash_script``.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse
+
+from desktop.commands import read_command, run_bash_script, run_command, run_python, working_dir
+from desktop.errors import CommandError, CommandTimeout, NoSuchPath
+from desktop.protocol import (
+    CommandReply,
+    MessageReply,
+    Paths,
+    RunPythonErrorReply,
+    RunPythonReply,
+)
+from desktop.routes.common import State, json_reply, read_json
+
+__all__ = ["router"]
+
+router = APIRouter()
+
+
+@router.post(Paths.EXECUTE)
+@router.post(Paths.SETUP_EXECUTE)
+async def execute(request: Request, state: State) -> JSONResponse:
+    data = await read_json(request)
+    try:
+        result = await run_command(
+            read_command(data),
+            timeout_s=state.settings.execute_timeout_s,
+            env=state.env,
+            tracker=state.apps,
+        )
+    except CommandError as exc:  # OSWorld's server answers 500 for every one of them
+        return json_reply(MessageReply(status="error", message=str(exc)), 500)
+    return json_reply(
+        CommandReply(
+            status="success",
+            output=result.stdout_text,
+            error=result.stderr_text,
+            returncode=result.returncode,
+        )
+    )
+
+
+@router.post(Paths.RUN_PYTHON)
+async def run_python_code(request: Request, state: State) -> JSONResponse:
+    code = (await read_json(request)).get("code")
+    if not code:
+        return json_reply(MessageReply(status="error", message="Code not supplied!"), 400)
+    try:
+        result = await run_python(
+            str(code),
+            workdir=state.workdir,
+            timeout_s=state.settings.run_python_timeout_s,
+            env=state.env,
+            tracker=state.apps,
+        )
+    except CommandTimeout:
+        message = "Execution timeout: Code took too long to execute"
+        return json_reply(RunPythonErrorReply(message=message, error="TimeoutExpired"), 500)
+    except CommandError as exc:
+        return json_reply(
+            RunPythonErrorReply(message=f"Execution error: {exc}", error=str(exc)), 500
+        )
+    output, error = result.stdout_text, result.stderr_text
+    if result.returncode != 0 and not error:
+        error = f"Process exited with code {result.returncode}"
+    return json_reply(
+        RunPythonReply(
+            status="success" if result.returncode == 0 else "error",
+            message="\n".join(part for part in (output, error) if part),
+            output=output,
+            error=error,
+            return_code=result.returncode,
+        )
+    )
+
+
+@router.post(Paths.RUN_BASH_SCRIPT)
+async def run_script(request: Request, state: State) -> JSONResponse:
+    data = await read_json(request)
+    script = data.get("script")
+    if not script:
+        return _script_failed(400, "Script not supplied!")
+    timeout = data.get("timeout", state.settings.bash_default_timeout_s)
+    try:
+        cwd = working_dir(data["working_dir"]) if data.get("working_dir") else None
+    except NoSuchPath as exc:
+        return _script_failed(400, f"Working directory does not exist: {exc.path}")
+    try:
+        result = await run_bash_script(
+            str(script),
+            timeout=timeout,
+            cwd=cwd,
+            workdir=state.workdir,
+            env=state.env,
+            tracker=state.apps,
+        )
+    except CommandTimeout:
+        return _script_failed(500, f"Script execution timed out after {timeout} seconds")
+    except CommandError as exc:
+        return _script_failed(500, f"Failed to execute script: {exc}")
+    return json_reply(
+        CommandReply(
+            status="success" if result.returncode == 0 else "error",
+            output=result.stdout_text,
+            error="",
+            returncode=result.returncode,
+        )
+    )
+
+
+def _script_failed(status_code: int, output: str) -> JSONResponse:
+    reply = CommandReply(status="error", output=output, error="", returncode=-1)
+    return json_reply(reply, status_code)

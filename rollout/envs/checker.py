@@ -1,0 +1,123 @@
+"""``check_desktop_env``: the conformance checker every environment must pass (the OSWorld
+client against each provider's desktops, the simulated desktops, the function-built fake),
+as Gymnasium's ``env_checker`` is for its environments. It drives the contract of
+``contract.py`` and checks what the episode loop relies on."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+from rollout.envs.contract import DONE, FAIL, WAIT, DesktopEnv, DesktopProbe, StepResult
+from rollout.errors import DesktopError
+from rollout.screenshot import Screenshot
+
+__all__ = ["ConformanceError", "check_desktop_env"]
+
+# A task with no setup steps: every environment can reset to it.
+_EMPTY_TASK: dict[str, Any] = {"id": "conformance-check", "instruction": "conformance check",
+                               "config": []}
+# pyautogui code that changes nothing a task could depend on.
+_HARMLESS_ACTION = "pyautogui.position()"
+# A path no desktop has.
+_MISSING_FILE = "/nonexistent/conformance-check/missing.txt"
+# A setup step type no interpreter implements.
+_UNKNOWN_STEP = {"type": "conformance_check_unknown_step", "parameters": {}}
+
+
+class ConformanceError(AssertionError):
+    """The environment broke the contract; the message says which check and how."""
+
+
+def _check(ok: bool, what: str) -> None:
+    if not ok:
+        raise ConformanceError(what)
+
+
+def _png_header_size(png: bytes) -> tuple[int, int]:
+    # Read independently of rollout.screenshot: the checker must not trust what it checks.
+    _check(len(png) >= 24 and png[:8] == b"\x89PNG\r\n\x1a\n" and png[12:16] == b"IHDR",
+           "a screenshot is not a PNG (signature or IHDR chunk missing)")
+    width, height = struct.unpack(">II", png[16:24])
+    return width, height
+
+
+def _check_screenshot(shot: Any, where: str,
+                      screen_size: tuple[int, int] | None) -> tuple[int, int]:
+    _check(isinstance(shot, Screenshot), f"{where} returned {type(shot).__name__}, "
+           "not a rollout.screenshot.Screenshot")
+    _check(shot.png is not None, f"{where} returned a screenshot without PNG bytes")
+    size = _png_header_size(shot.png)
+    _check(size[0] > 0 and size[1] > 0, f"{where}: the PNG is {size[0]}x{size[1]}")
+    _check(shot.size == size, f"{where}: Screenshot.size {shot.size} differs from the PNG "
+           f"header's {size}")
+    if screen_size is not None:
+        _check(size == tuple(screen_size), f"{where}: screenshot is {size[0]}x{size[1]}, "
+               f"the configured screen is {screen_size[0]}x{screen_size[1]}")
+    return size
+
+
+async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = None,
+                            probe: bool = True) -> dict[str, Any]:
+    """Drive ``env`` through the contract and raise ``ConformanceError`` at the first break:
+
+    - it is a ``DesktopEnv`` (and, with ``probe``, a ``DesktopProbe``) and has a ``name``;
+    - ``reset`` of a task without setup steps returns a PNG screenshot whose size, read from
+      the PNG header, is positive (and ``screen_size`` when given) and agrees with
+      ``Screenshot.size``; ``observe`` returns the same size;
+    - ``step`` of pyautogui code returns a ``StepResult`` that ran (``ok``) and of ``WAIT``,
+      ``DONE`` and ``FAIL`` one that ran nothing on the desktop (no return code);
+    - errors are the project's: an unknown setup step raises ``DesktopError``'s subclass
+      ``UnsupportedSetupStep``/``TaskSetupError``, a missing file is ``None`` (not an
+      exception), and nothing raises a transport library's exception;
+    - ``close`` returns, and a second ``close`` too.
+
+    Returns what it observed (``screen_size``, the step's ``StepResult``) for the caller's log.
+    """
+    _check(isinstance(env, DesktopEnv), f"{type(env).__name__} does not have reset, step, "
+           "observe, close and name (rollout.envs.contract.DesktopEnv)")
+    if probe:
+        _check(isinstance(env, DesktopProbe), f"{type(env).__name__} does not have get_file, "
+               "execute, terminal_output, accessibility_tree and run_setup_step "
+               "(rollout.envs.contract.DesktopProbe)")
+    try:
+        first = await env.reset(_EMPTY_TASK)
+        size = _check_screenshot(first, "reset()", screen_size)
+        again = await env.observe()
+        _check(_check_screenshot(again, "observe()", screen_size) == size,
+               "observe() returned a different screen size than reset()")
+
+        acted = await env.step(_HARMLESS_ACTION, pause_s=0.0)
+        _check(isinstance(acted, StepResult), f"step() returned {type(acted).__name__}, "
+               "not a StepResult")
+        _check(acted.ok, f"step({_HARMLESS_ACTION!r}) failed: returncode {acted.returncode}, "
+               f"error {acted.error!r}")
+        for special in (WAIT, DONE, FAIL):
+            result = await env.step(special, pause_s=0.0)
+            _check(isinstance(result, StepResult) and result.action == special
+                   and result.returncode is None,
+                   f"step({special!r}) must run nothing on the desktop and return a "
+                   f"StepResult without a return code, got {result!r}")
+
+        if probe:
+            missing = await env.get_file(_MISSING_FILE)
+            _check(missing is None, f"get_file of a missing file returned {missing!r:.80}, "
+                   "not None")
+            try:
+                await env.run_setup_step(_UNKNOWN_STEP, 0)
+            except DesktopError:
+                pass
+            else:
+                raise ConformanceError("an unknown setup step type did not raise "
+                                       "rollout.errors.UnsupportedSetupStep")
+    except ConformanceError:
+        raise
+    except DesktopError:
+        raise  # the environment failed, in the project's terms: not a contract break
+    except Exception as exc:
+        raise ConformanceError(f"{type(env).__name__} raised {type(exc).__name__} (not a "
+                               f"rollout.errors.DesktopError): {exc}") from exc
+    finally:
+        await env.close()
+    await env.close()  # idempotent
+    return {"screen_size": size, "step": acted}

@@ -1,0 +1,87 @@
+"""The environment contract: what the episode loop needs of an environment (``DesktopEnv``:
+reset, step, observe, close) and what scoring needs of a desktop (``DesktopProbe``: files,
+commands, accessibility tree, setup steps). Every environment (the OSWorld HTTP client, the
+function-built fake, the providers' desktops) meets it; ``checker.check_desktop_env`` proves it.
+A leaf module: it imports nothing of the project but the screenshot type."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from rollout.screenshot import Screenshot
+
+__all__ = ["DONE", "FAIL", "SPECIAL_ACTIONS", "WAIT", "DesktopEnv", "DesktopProbe",
+           "StepResult"]
+
+# OSWorld's special actions: ``step`` takes them besides pyautogui code. WAIT pauses, DONE
+# and FAIL end the episode (FAIL: the agent gave up, which scores an infeasible task).
+WAIT = "WAIT"
+DONE = "DONE"
+FAIL = "FAIL"
+SPECIAL_ACTIONS = (DONE, FAIL, WAIT)
+
+
+@dataclass
+class StepResult:
+    """What executing one action did on the desktop."""
+
+    action: str
+    returncode: int | None = None
+    output: str = ""
+    error: str = ""
+    duration_s: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.returncode in (None, 0)
+
+
+@runtime_checkable
+class DesktopEnv(Protocol):
+    """An environment the episode loop drives. Failures of the environment itself raise
+    ``rollout.errors.DesktopError`` (or a subclass), never a transport library's error."""
+
+    name: str
+
+    async def reset(self, task: Mapping[str, Any]) -> Screenshot:
+        """Run the task's setup (``task["config"]``); return the first observation."""
+        ...
+
+    async def step(self, action: str, pause_s: float = 0.0) -> StepResult:
+        """Run pyautogui code, or one of ``SPECIAL_ACTIONS``; wait ``pause_s`` after it."""
+        ...
+
+    async def observe(self) -> Screenshot:
+        """The current screen (PNG; its size read from the header)."""
+        ...
+
+    async def close(self) -> None:
+        """Release what this object holds (not the desktop: the pool owns that)."""
+        ...
+
+
+@runtime_checkable
+class DesktopProbe(Protocol):
+    """What scoring reads from a desktop (``rollout.evaluation``): no HTTP in sight, so a fake
+    needs only these methods."""
+
+    async def get_file(self, path: str) -> bytes | None:
+        """The file's bytes, or None when it does not exist."""
+        ...
+
+    async def execute(self, command: list[str] | str, *, shell: bool = False,
+                      timeout_s: float | None = None) -> dict[str, Any]:
+        """Run a command; ``{status, output, error, returncode}``."""
+        ...
+
+    async def terminal_output(self) -> str:
+        ...
+
+    async def accessibility_tree(self) -> str:
+        ...
+
+    async def run_setup_step(self, step: Mapping[str, Any], index: int = 0) -> None:
+        """One OSWorld setup step (evaluators' ``postconfig``)."""
+        ...

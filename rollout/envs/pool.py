@@ -1,0 +1,297 @@
+"""The pool of M desktops lent to episodes: leases with deadlines and waiters, resets in
+the background (outside any lock) before a desktop is lent again, quarantine and replacement
+of broken desktops, reclaiming of expired leases. Where desktops come from is a provider's
+job (``rollout.envs.providers``); the pool knows none of them by name."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from config import DesktopsConfig
+from rollout.aio import TaskSet
+from rollout.envs.client import close_shared_client
+from rollout.envs.providers import make_provider
+from rollout.envs.providers.base import Desktop, DesktopProvider
+from rollout.errors import DesktopError, DesktopUnavailable
+
+__all__ = ["DesktopPool", "Lease"]
+
+log = logging.getLogger(__name__)
+
+# The housekeeping loop runs at least this often (reclaiming leases, idle health checks).
+_HOUSEKEEPING_MAX_INTERVAL_S = 5.0
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A desktop lent to ``owner`` until ``deadline`` (``time.time()`` seconds)."""
+
+    lease_id: str
+    desktop_id: str
+    url: str
+    owner: str
+    deadline: float
+
+
+
+
+class DesktopPool:
+    """M desktops lent to episodes. Run it as an async Ray actor (``ray.remote(DesktopPool)``)
+    or in-process.
+
+    ``lease(owner, timeout_s)`` hands out a free desktop (never one that is resetting or
+    quarantined) or raises ``DesktopUnavailable``; ``release(lease_id, healthy)`` returns it
+    and resets it in the background, outside any lock, so other leases never wait for a reset.
+    A desktop that fails its reset or health check is quarantined, then replaced (local,
+    Kubernetes) or re-checked later (static). Leases past ``lease_max_s`` are reclaimed.
+    """
+
+    def __init__(self, cfg: DesktopsConfig, provider: DesktopProvider | None = None) -> None:
+        self.cfg = cfg
+        self.provider = provider or make_provider(cfg)
+        self._desktops: dict[str, Desktop] = {}
+        self._free: list[str] = []                 # desktop ids, oldest ready first
+        self._waiters: list[asyncio.Future[str]] = []
+        self._leases: dict[str, Lease] = {}
+        self._tasks = TaskSet()
+        self._housekeeper: asyncio.Task[Any] | None = None
+        self._next_index = 0
+        self._started = False
+        self._stopping = False
+        self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
+                         "quarantined": 0, "replaced": 0, "reclaimed": 0, "lease_timeouts": 0}
+        self.reset_durations_s: list[float] = []
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def target_size(self) -> int:
+        want = self.cfg.count + self.cfg.warm_spares
+        cap = self.provider.capacity()
+        return want if cap is None else min(want, cap)
+
+    async def start(self) -> dict[str, Any]:
+        """Start the desktops concurrently; returns ``stats()``. Fails if none comes up."""
+        if self._started:
+            return self.stats()
+        self._started = True
+        results = await asyncio.gather(
+            *(self._start_one() for _ in range(self.target_size())), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            raise DesktopError(f"no desktop could be started: {errors[0]}") from errors[0]
+        for err in errors:
+            log.error("a desktop failed to start: %s", err)
+        self._housekeeper = self._spawn(self._housekeeping())
+        return self.stats()
+
+    async def stop(self) -> None:
+        """Stop every desktop this pool started and cancel its background work."""
+        self._stopping = True
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+        # Resets and replacements run partly in threads that cancelling cannot stop: let them
+        # finish (bounded), or one could recreate a desktop's files after it was stopped.
+        busy = [t for t in self._tasks if t is not self._housekeeper]
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=self.cfg.reset_timeout_s)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(DesktopUnavailable("the desktop pool is stopping"))
+        await asyncio.gather(
+            *(self._stop_quietly(d) for d in self._desktops.values()), return_exceptions=True
+        )
+        await close_shared_client()
+
+    # ----------------------------------------------------------------- leases
+
+    async def lease(
+        self, owner: str, timeout_s: float | None = None, avoid: Iterable[str] = ()
+    ) -> Lease:
+        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``.
+        Desktops in ``avoid`` (where an earlier attempt failed) are handed out only when no
+        other one is free."""
+        if self._stopping:
+            raise DesktopUnavailable("the desktop pool is stopping")
+        wait_s = self.cfg.lease_timeout_s if timeout_s is None else timeout_s
+        desktop_id = self._take_free(frozenset(avoid))
+        if desktop_id is None:
+            waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                # shield: a timeout must not lose a desktop handed over at the same moment.
+                desktop_id = await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                handed = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                waiter.cancel()
+                if isinstance(exc, asyncio.CancelledError):
+                    if handed is not None:
+                        self._make_free(handed)
+                    raise
+                if handed is None:
+                    self.counters["lease_timeouts"] += 1
+                    raise DesktopUnavailable(
+                        f"no desktop free for {owner} within {wait_s:.0f}s ({self._summary()})"
+                    ) from None
+                desktop_id = handed
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        desktop = self._desktops[desktop_id]
+        desktop.state = "leased"
+        desktop.leases += 1
+        lease = Lease(uuid.uuid4().hex, desktop.id, desktop.url, owner,
+                      time.time() + self.cfg.lease_max_s)
+        self._leases[lease.lease_id] = lease
+        self.counters["leases"] += 1
+        return lease
+
+    async def release(self, lease_id: str, healthy: bool = True) -> None:
+        """Give a desktop back; it is reset in the background before anyone else gets it."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            log.warning("release of unknown or reclaimed lease %s ignored", lease_id)
+            return
+        self.counters["releases"] += 1
+        desktop = self._desktops[lease.desktop_id]
+        if not healthy:
+            desktop.failures += 1
+        desktop.state = "resetting"
+        self._spawn(self._reset(desktop))
+
+    async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
+        """Release every lease whose owner starts with ``owner_prefix`` (the leases of a
+        runner that died); returns how many."""
+        ids = [i for i, lease in self._leases.items() if lease.owner.startswith(owner_prefix)]
+        for lease_id in ids:
+            await self.release(lease_id, healthy)
+        return len(ids)
+
+    def stats(self) -> dict[str, Any]:
+        by_state = {s: 0 for s in ("starting", "free", "leased", "resetting", "quarantined")}
+        for d in self._desktops.values():
+            if d.state in by_state:
+                by_state[d.state] += 1
+        resets = sorted(self.reset_durations_s)
+        return {
+            **by_state,
+            "waiting": len(self._waiters),
+            **self.counters,
+            "reset_s_median": resets[len(resets) // 2] if resets else None,
+            "reset_s_max": resets[-1] if resets else None,
+            "desktops": [
+                {"id": d.id, "url": d.url, "state": d.state, "leases": d.leases,
+                 "failures": d.failures, "last_error": d.last_error}
+                for d in self._desktops.values()
+            ],
+        }
+
+    # ----------------------------------------------------------------- internals
+
+    def _summary(self) -> str:
+        s = self.stats()
+        return ", ".join(f"{k} {s[k]}" for k in ("free", "leased", "resetting", "quarantined",
+                                                  "starting"))
+
+    def _take_free(self, avoid: frozenset[str] = frozenset()) -> str | None:
+        self._free = [d for d in self._free if self._desktops[d].state == "free"]
+        if not self._free:
+            return None
+        preferred = next((d for d in self._free if d not in avoid), self._free[0])
+        self._free.remove(preferred)
+        return preferred
+
+    def _make_free(self, desktop_id: str) -> None:
+        desktop = self._desktops[desktop_id]
+        while self._waiters:
+            waiter = self._waiters.pop(0)
+            if not waiter.done():
+                desktop.state = "leased"  # reserved for this waiter
+                waiter.set_result(desktop_id)
+                return
+        desktop.state = "free"
+        self._free.append(desktop_id)
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self._tasks.spawn(coro)
+
+    async def _start_one(self) -> Desktop:
+        index = self._next_index
+        self._next_index += 1
+        desktop = await self.provider.start(index)
+        self._desktops[desktop.id] = desktop
+        self._make_free(desktop.id)
+        return desktop
+
+    async def _reset(self, desktop: Desktop) -> None:
+        started = time.monotonic()
+        try:
+            await asyncio.wait_for(self.provider.reset(desktop), self.cfg.reset_timeout_s)
+            if not await self.provider.health(desktop):
+                raise DesktopError("unhealthy after reset")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure of a reset quarantines the desktop
+            self.counters["reset_failures"] += 1
+            await self._quarantine(desktop, f"reset failed: {exc!r}")
+            return
+        self.counters["resets"] += 1
+        self.reset_durations_s.append(time.monotonic() - started)
+        self._make_free(desktop.id)
+
+    async def _quarantine(self, desktop: Desktop, reason: str) -> None:
+        log.warning("desktop %s quarantined: %s", desktop.id, reason)
+        desktop.state = "quarantined"
+        desktop.last_error = reason
+        desktop.quarantined_at = time.monotonic()
+        self.counters["quarantined"] += 1
+        if self.provider.replaceable and not self._stopping:
+            self._spawn(self._replace(desktop))
+
+    async def _replace(self, desktop: Desktop) -> None:
+        await self._stop_quietly(desktop)
+        del self._desktops[desktop.id]
+        try:
+            await self._start_one()
+            self.counters["replaced"] += 1
+        except Exception as exc:  # keep the pool running with one desktop fewer
+            log.error("replacement of %s failed: %s", desktop.id, exc)
+
+    async def _stop_quietly(self, desktop: Desktop) -> None:
+        try:
+            await self.provider.stop(desktop)
+        except Exception as exc:  # stopping is best effort; the reason is logged
+            log.error("stopping %s failed: %s", desktop.id, exc)
+        desktop.state = "stopped"
+
+    async def _housekeeping(self) -> None:
+        """Reclaim expired leases, health-check idle desktops, retry quarantined static ones."""
+        while True:
+            await asyncio.sleep(min(self.cfg.health_interval_s, _HOUSEKEEPING_MAX_INTERVAL_S))
+            now = time.time()
+            for lease in [x for x in self._leases.values() if x.deadline < now]:
+                log.warning("lease %s of %s by %s expired; reclaiming", lease.lease_id,
+                            lease.desktop_id, lease.owner)
+                self.counters["reclaimed"] += 1
+                await self.release(lease.lease_id, healthy=False)
+            idle = [d for d in self._desktops.values() if d.state == "free"]
+            healthy = await asyncio.gather(*(self.provider.health(d) for d in idle))
+            for desktop, ok in zip(idle, healthy, strict=True):
+                if not ok and desktop.state == "free":  # not leased while we were checking
+                    self._free.remove(desktop.id)
+                    await self._quarantine(desktop, "failed its health check while idle")
+            if not self.provider.replaceable:
+                retry_after = self.cfg.static.retry_quarantined_s
+                for desktop in [d for d in self._desktops.values() if d.state == "quarantined"]:
+                    if time.monotonic() - desktop.quarantined_at >= retry_after:
+                        desktop.state = "resetting"
+                        self._spawn(self._reset(desktop))

@@ -1,0 +1,90 @@
+"""OSWorld's getters: each fetches one state for a metric, from the desktop through the
+``DesktopProbe`` (a file, a command's output, the accessibility tree) or from the task (rules,
+files cached with the task). ``GETTERS`` maps the names task files use to them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from rollout.envs.contract import DesktopProbe
+from rollout.errors import UnsupportedEvaluator
+
+__all__ = ["GETTERS", "EvalContext", "Getter", "get_accessibility_tree", "get_cache_file",
+           "get_rule", "get_vm_command_line", "get_vm_file", "get_vm_terminal_output"]
+
+
+@dataclass(frozen=True)
+class EvalContext:
+    """What a getter may use: the desktop, the task's cached files and a scratch directory
+    of this evaluation (removed afterwards; two rollouts scored at once never share one)."""
+
+    probe: DesktopProbe
+    cache_dir: Path
+    task_id: str | None
+    scratch: Path
+
+
+Getter = Callable[[EvalContext, Mapping[str, Any]], Awaitable[Any]]
+
+
+async def get_vm_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
+    """Files from the desktop, saved locally; returns the local path (None if missing).
+    ``multi: true`` takes lists ``path``/``dest`` and returns a list."""
+    if cfg.get("multi"):
+        pairs = list(zip(cfg["path"], cfg["dest"], strict=True))
+    else:
+        pairs = [(cfg["path"], cfg.get("dest") or os.path.basename(cfg["path"]))]
+    out: list[str | None] = []
+    for remote, dest in pairs:
+        data = await ctx.probe.get_file(remote)
+        if data is None:
+            out.append(None)
+            continue
+        local = ctx.scratch / os.path.basename(dest)
+        await asyncio.to_thread(local.write_bytes, data)
+        out.append(str(local))
+    return out if cfg.get("multi") else out[0]
+
+
+async def get_vm_command_line(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
+    """The standard output of a command run on the desktop."""
+    reply = await ctx.probe.execute(cfg["command"], shell=bool(cfg.get("shell", False)))
+    return str(reply.get("output") or "")
+
+
+async def get_vm_terminal_output(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
+    return await ctx.probe.terminal_output()
+
+
+async def get_accessibility_tree(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
+    return await ctx.probe.accessibility_tree()
+
+
+async def get_rule(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
+    return cfg["rules"]
+
+
+async def get_cache_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
+    """A file the task ships (expected outputs), under ``desktops.download_cache_dir``."""
+    root = ctx.cache_dir
+    for candidate in (root / (ctx.task_id or "") / cfg["path"], root / cfg["path"]):
+        if candidate.is_file():
+            return str(candidate)
+    raise UnsupportedEvaluator(f"cache_file {cfg['path']!r} is not in {root}")
+
+
+GETTERS: dict[str, Getter] = {
+    "vm_file": get_vm_file,
+    "vm_command_line": get_vm_command_line,
+    "vm_terminal_output": get_vm_terminal_output,
+    "accessibility_tree": get_accessibility_tree,
+    "rule": get_rule,
+    "cache_file": get_cache_file,
+}
+
+

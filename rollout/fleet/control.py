@@ -1,0 +1,153 @@
+"""The supervisor's control API on 127.0.0.1 (``GET /status``, ``POST /reload``, bearer token
+from the 0600 ``control.json``): thin routes that run each request on the supervisor's loop
+and map its answers to HTTP, and the client the ``status`` and ``reload`` commands use."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import os
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from rollout.errors import FleetError
+from rollout.fleet.state import read_control
+from rollout.fleet.supervisor import ReloadOutcome, ReloadRefusal, Supervisor
+from rollout.http import ThreadedServer
+
+if TYPE_CHECKING:
+    from starlette.applications import Starlette
+
+__all__ = ["RELOAD_PATH", "STATUS_PATH", "ControlClient", "ControlServer", "create_app"]
+
+STATUS_PATH = "/status"
+RELOAD_PATH = "/reload"
+_START_TIMEOUT_S = 30.0
+
+# HTTP status of each reason ``Supervisor.request_reload`` gives for a refusal.
+_REFUSAL_STATUS = {
+    ReloadRefusal.BUSY: 409,
+    ReloadRefusal.NOT_STARTED: 409,
+    ReloadRefusal.BAD_CHECKPOINT: 400,
+}
+
+
+def _reload_reply(outcome: ReloadOutcome) -> tuple[int, dict[str, Any]]:
+    if outcome.refused is None:
+        return 202, {"reload": outcome.reload}
+    body: dict[str, Any] = {"error": outcome.error}
+    if outcome.refused is ReloadRefusal.BUSY:
+        body["reload"] = outcome.reload or {}
+    return _REFUSAL_STATUS[outcome.refused], body
+
+
+def create_app(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, token: str
+               ) -> Starlette:
+    """The control routes of ``supervisor``, whose methods run on ``loop``."""
+    from starlette.applications import Starlette
+    from starlette.requests import Request
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    def authorized(request: Request) -> bool:
+        given = request.headers.get("authorization", "")
+        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+
+    async def on_loop(make: Callable[[], Awaitable[Any]]) -> Any:
+        async def call() -> Any:
+            return await make()
+
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(call(), loop))
+
+    async def status(request: Request) -> JSONResponse:
+        if not authorized(request):
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        return JSONResponse(await on_loop(supervisor.status))
+
+    async def reload(request: Request) -> JSONResponse:
+        if not authorized(request):
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        try:
+            body = await request.json()
+            checkpoint = str(body["checkpoint"])
+        except (ValueError, KeyError, TypeError):
+            return JSONResponse({"error": 'expected {"checkpoint": PATH}'}, status_code=400)
+
+        async def start() -> ReloadOutcome:
+            return supervisor.request_reload(checkpoint)
+
+        code, payload = _reload_reply(await on_loop(start))
+        return JSONResponse(payload, status_code=code)
+
+    return Starlette(routes=[
+        Route(STATUS_PATH, status, methods=["GET"]),
+        Route(RELOAD_PATH, reload, methods=["POST"]),
+    ])
+
+
+class ControlServer:
+    """Serves ``create_app`` from a thread (``rollout.http.ThreadedServer``) while the
+    supervisor runs; ``token`` is made here, the supervisor publishes it."""
+
+    def __init__(self, supervisor: Supervisor) -> None:
+        self.supervisor = supervisor
+        self.token = secrets.token_urlsafe(24)
+        self._server: ThreadedServer | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> str:
+        """Start serving, each request run on ``loop``; the URL."""
+        server = ThreadedServer(create_app(self.supervisor, loop, self.token), "127.0.0.1", 0)
+        try:
+            server.start(timeout_s=_START_TIMEOUT_S)
+        except RuntimeError as exc:
+            raise FleetError("the control server did not start") from exc
+        self._server = server
+        return server.url
+
+    def stop(self) -> None:
+        if self._server is not None:
+            self._server.stop()
+            self._server = None
+
+
+@dataclass(frozen=True)
+class ControlClient:
+    """Talks to the live supervisor of a state dir; each call raises ``httpx.HTTPError``
+    when it does not answer and returns the reply as it is."""
+
+    url: str
+    token: str
+    timeout_s: float
+
+    @classmethod
+    def find(cls, state_dir: Path, timeout_s: float) -> ControlClient | None:
+        """The client of the supervisor that runs for ``state_dir``, None if none runs."""
+        info = read_control(state_dir)
+        if info is None:
+            return None
+        if info.pid is not None:
+            try:
+                os.kill(info.pid, 0)
+            except ProcessLookupError:
+                return None
+            except PermissionError:
+                pass
+        return cls(info.url, info.token, timeout_s)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def status(self) -> httpx.Response:
+        """``GET /status``: 200 with the published state plus each replica's load."""
+        return httpx.get(self.url + STATUS_PATH, headers=self.headers, timeout=self.timeout_s)
+
+    def reload(self, checkpoint: str) -> httpx.Response:
+        """``POST /reload``: 202 with the reload started, else 4xx with its ``error``."""
+        return httpx.post(self.url + RELOAD_PATH, json={"checkpoint": checkpoint},
+                          headers=self.headers, timeout=self.timeout_s)

@@ -1,0 +1,56 @@
+"""``--watch DIR``: wait for the first complete checkpoint in a directory, then hand each newer
+one to the supervisor once it is complete and has not changed for one poll."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+from rollout.fleet.checkpoints import checkpoint_mtime, newest_checkpoint
+
+__all__ = ["first_checkpoint", "watch_checkpoints"]
+
+log = logging.getLogger(__name__)
+
+
+async def first_checkpoint(directory: Path, interval_s: float) -> Path:
+    """The newest complete checkpoint in ``directory`` once one has stayed unchanged for a
+    poll of ``interval_s``."""
+    log.info("waiting for a checkpoint in %s", directory)
+    previous = None
+    while True:
+        found = await asyncio.to_thread(newest_checkpoint, directory)
+        if found is not None and previous is not None and found.signature == previous:
+            return found.path
+        previous = found.signature if found is not None else None
+        await asyncio.sleep(interval_s)
+
+
+async def watch_checkpoints(
+    directory: Path,
+    served: str,
+    interval_s: float,
+    *,
+    busy: Callable[[], bool],
+    roll_out: Callable[[str], Awaitable[None]],
+) -> None:
+    """Call ``roll_out(path)`` for each checkpoint written to ``directory`` after ``served``
+    (the one being served), once it is complete and has not changed for one poll, and
+    while no reload is running (``busy()``). Runs until cancelled."""
+    handled_mtime = await asyncio.to_thread(checkpoint_mtime, served)
+    pending: str | None = None
+    log.info("watching %s for new checkpoints every %.0f s", directory, interval_s)
+    while True:
+        await asyncio.sleep(interval_s)
+        found = await asyncio.to_thread(newest_checkpoint, directory)
+        if found is None or found.mtime <= handled_mtime:
+            continue
+        if found.signature != pending:
+            pending = found.signature  # still being written? look again next time
+            continue
+        if busy():
+            continue
+        handled_mtime = found.mtime
+        await roll_out(str(found.path))

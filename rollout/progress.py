@@ -1,0 +1,58 @@
+"""What the user watches during a run: a rich progress bar on a terminal, a status line
+every few seconds otherwise (a log file, CI), from the coordinator's statistics."""
+
+from __future__ import annotations
+
+import sys
+import time
+from typing import Any
+
+__all__ = ["Progress"]
+
+# Status lines when no progress bar is shown (not a terminal, or progress_bar: false).
+_STATUS_LINE_INTERVAL_S = 10.0
+
+
+class Progress:
+    """A rich progress bar on a terminal; status lines otherwise."""
+
+    def __init__(self, enabled: bool, total: int, done_before: int) -> None:
+        self.live = enabled and sys.stderr.isatty()
+        self._last_line = 0.0
+        self._bar = None
+        if self.live:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+            )
+
+            self._bar = Progress(TextColumn("[bold]episodes"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                                 transient=False)
+            self._task = self._bar.add_task("episodes", total=total, completed=done_before,
+                                            info="")
+            self._bar.start()
+
+    def update(self, done: int, total: int, stats: dict[str, Any], note: str = "") -> None:
+        rate = stats.get("success_rate")
+        desktops = stats.get("desktops") or {}
+        info = (f"success {'-' if rate is None else f'{rate:.0%}'}  "
+                f"steps/s {stats.get('steps_per_s', 0):.2f}  "
+                f"desktops busy {desktops.get('leased', 0)}/"
+                f"{sum(desktops.values()) if desktops else 0}  "
+                f"model in-flight {stats.get('model_in_flight', 0)}  "
+                f"running {stats.get('episodes_in_flight', 0)}"
+                + (f"  retries {stats['retries']}" if stats.get("retries") else "")
+                + (f"  [{note}]" if note else ""))
+        if self._bar is not None:
+            self._bar.update(self._task, completed=done, total=total, info=info)
+        elif time.monotonic() - self._last_line >= _STATUS_LINE_INTERVAL_S:
+            self._last_line = time.monotonic()
+            print(f"episodes {done}/{total}  {info}", file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.stop()

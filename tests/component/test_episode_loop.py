@@ -1,0 +1,251 @@
+"""The episode loop as a component: a real TrajectoryRunner, DesktopPool, StorageActor and
+model client (over real HTTP to a fake OpenAI server on loopback), with function-built
+desktops instead of Xvfb. Each test drives one path of "One step, as data" and reads what an
+episode leaves on disk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from config import Config, load_config
+from env_k8s import DesktopPool
+from rollout.errors import DesktopError
+from rollout.testing.fake_desktop import FakeDesktop, FakeProvider
+from rollout.testing.fake_openai import FakeOpenAIServer
+from rollout.types import EpisodeResult, EpisodeSpec
+from storage_actor import StorageActor
+from trajectory_runner import TrajectoryRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+SCREEN = (1280, 720)
+# The file the "app" of these tests writes when clicked, and the evaluator that reads it.
+CLICKED = "/home/user/clicked.txt"
+TASK = {
+    "id": "t1", "instruction": "click the button", "config": [],
+    "evaluator": {"func": "check_include_exclude",
+                  "result": {"type": "vm_file", "path": CLICKED, "dest": "clicked.txt"},
+                  "expected": {"type": "rule", "rules": {"include": []}}},
+}
+
+
+def clicking_desktop(desktop_id: str, **kw: Any) -> FakeDesktop:
+    """A desktop whose one app writes CLICKED on any click."""
+    desktop: FakeDesktop
+
+    def step(code: str) -> None:
+        if "pyautogui.click(" in code:
+            desktop.files[CLICKED] = b"clicked\n"
+
+    desktop = FakeDesktop(step_func=step, size=SCREEN, name=desktop_id, **kw)
+    return desktop
+
+
+@dataclass
+class World:
+    cfg: Config
+    runner: TrajectoryRunner
+    pool: DesktopPool
+    provider: FakeProvider
+    storage: StorageActor
+    model: FakeOpenAIServer
+    replies: list[str]
+
+    @property
+    def run_dir(self) -> Path:
+        return self.cfg.run_dir
+
+    async def run(self, task: dict[str, Any] = TASK, rollout: int = 0) -> EpisodeResult:
+        result = await self.runner.run_episode(EpisodeSpec(task["id"], "d", rollout, task))
+        await self.storage.flush()  # the runner's writes are queued; read them on disk
+        return result
+
+    def traj(self, episode: str = "d/t1/0") -> list[dict[str, Any]]:
+        text = (self.run_dir / episode / "traj.jsonl").read_text()
+        return [json.loads(line) for line in text.splitlines()]
+
+
+@pytest.fixture
+async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
+    made: list[World] = []
+
+    async def make(*sets: str, desktop: Callable[[str], FakeDesktop] = clicking_desktop,
+                   replies: list[str] | None = None) -> World:
+        queue = list(replies or [])
+        server = FakeOpenAIServer(
+            reply=lambda body: queue.pop(0) if queue else "Thought: done\nAction: finished()")
+        server.start()
+        cfg = load_config(ROOT / "configs" / "demo.yaml", [
+            f"run.output_dir={tmp_path / 'results'}",
+            "model.scripted=false", f"model.endpoints={json.dumps([server.url])}",
+            "model.retries=0", "desktops.count=1", "runner.action_pause_s=0",
+            "runner.max_parse_retries=1", f"desktops.screen_width={SCREEN[0]}",
+            f"desktops.screen_height={SCREEN[1]}", f"desktops.download_cache_dir={tmp_path}",
+            *sets,
+        ])
+        provider = FakeProvider(desktop_factory=desktop)
+        pool = DesktopPool(cfg.desktops, provider)
+        await pool.start()
+        storage = StorageActor(cfg.run_dir, cfg.storage)
+        await storage.start_run({"run": "component"})
+        runner = TrajectoryRunner(cfg, pool, storage, "r0", env_factory=provider.env_factory)
+        world = World(cfg, runner, pool, provider, storage, server, queue)
+        made.append(world)
+        return world
+
+    yield make
+    for world in made:
+        await world.runner.close()
+        await world.pool.stop()
+        await world.storage.close()
+        world.model.stop()
+
+
+async def test_a_solved_episode_leaves_osworlds_files_and_ours(make_world):
+    world = await make_world(replies=[
+        "Thought: the button\nAction: click(start_box='(100,200)')",
+        "Thought: done\nAction: finished(content='ok')",
+    ])
+    result = await world.run()
+    assert (result.status, result.reward, result.steps) == ("success", 1.0, 2)
+    desktop = world.provider.desktops["fake-0"]
+    # UI-TARS-1.5 points are pixels of the smart-resized screenshot: the click lands scaled.
+    assert desktop.actions[0].startswith("pyautogui.click(")
+    assert result.last_action == "DONE" and result.desktop == "fake-0"
+
+    traj = world.traj()
+    assert [(s["step_num"], s["done"], s["reward"]) for s in traj] == [(1, False, 0),
+                                                                      (2, True, 1.0)]
+    assert traj[0]["screenshot_file"] == "step_1.png" and traj[0]["observation_file"] == \
+        "step_0.png"
+    assert traj[1]["action"] == "DONE" and set(traj[0]["timing"]) == {
+        "model_s", "env_s", "overhead_s", "step_s"}
+    episode_dir = world.run_dir / "d/t1/0"
+    assert {p.name for p in episode_dir.iterdir()} >= {
+        "task_config.json", "traj.jsonl", "step_0.png", "step_1.png", "result.txt",
+        "episode.json", "messages.json"}
+    assert (episode_dir / "result.txt").read_text() == "1.0\n"
+    messages = json.loads((episode_dir / "messages.json").read_text())
+    images = [part["image_url"]["url"] for m in messages for part in m["content"]
+              if isinstance(part, dict) and part.get("type") == "image_url"]
+    assert images == ["step_0.png", "step_1.png"]  # file names, never base64
+    # The desktop went back to the pool and was reset before anyone else gets it.
+    await asyncio.sleep(0.05)
+    assert world.pool.stats()["free"] == 1 and world.provider.resets == ["fake-0"]
+    assert desktop.closed == 1
+
+
+async def test_the_step_budget_ends_as_max_steps_and_is_still_scored(make_world):
+    world = await make_world("runner.max_steps=3", replies=[
+        "Thought: again\nAction: click(start_box='(10,10)')"] * 5)
+    result = await world.run()
+    assert (result.status, result.steps, result.reward) == ("max_steps", 3, 1.0)
+    assert [s["done"] for s in world.traj()] == [False, False, True]
+
+
+async def test_unparseable_replies_are_asked_again_then_fail_which_solves_an_infeasible_task(
+        make_world):
+    world = await make_world(replies=["I would rather not.", "Still no action here."])
+    infeasible = {**TASK, "evaluator": {"func": "infeasible"}}
+    result = await world.run(infeasible)
+    assert (result.status, result.reward, result.parse_failures) == ("success", 1.0, 2)
+    assert result.infeasible and result.last_action == "FAIL"
+    assert len(world.model.requests) == 2  # max_parse_retries=1: asked twice
+
+
+async def test_call_user_waits_as_configured_then_fails(make_world):
+    world = await make_world("runner.call_user=wait", "runner.call_user_max_waits=1",
+                             "runner.wait_s=0", replies=["Action: call_user()"] * 2)
+    result = await world.run()
+    assert (result.status, result.steps, result.last_action) == ("failure", 2, "FAIL")
+    # The first call_user waited on the desktop; the second ended the episode (FAIL runs
+    # nothing on the desktop).
+    assert world.provider.desktops["fake-0"].actions == ["WAIT"]
+
+
+async def test_a_desktop_that_dies_mid_step_is_a_retryable_infra_error(make_world):
+    def dying(desktop_id: str) -> FakeDesktop:
+        def step(code: str) -> None:
+            raise DesktopError(f"{desktop_id}/execute: cannot connect (ConnectError)")
+        return FakeDesktop(step_func=step, size=SCREEN, name=desktop_id)
+
+    world = await make_world(desktop=dying,
+                             replies=["Action: click(start_box='(10,10)')"])
+    result = await world.run()
+    assert (result.status, result.reward, result.retryable) == ("infra_error", None, True)
+    assert result.error.startswith("desktop fake-0: ")
+    record = json.loads((world.run_dir / "d/t1/0/episode.json").read_text())
+    assert record["status"] == "infra_error" and "retryable" not in record
+    assert not (world.run_dir / "d/t1/0/result.txt").exists()  # never a reward
+
+
+async def test_an_unsupported_setup_step_is_not_retried_and_leaves_the_desktop_healthy(
+        make_world):
+    world = await make_world()
+    task = {**TASK, "config": [{"type": "googledrive", "parameters": {}}]}
+    result = await world.run(task)
+    assert (result.status, result.retryable) == ("infra_error", False)
+    assert "setup step type 'googledrive' is not supported" in result.error
+    await asyncio.sleep(0.05)
+    assert world.pool.stats()["desktops"][0]["state"] == "free"
+    assert world.pool.stats()["desktops"][0]["failures"] == 0  # released healthy
+
+
+async def test_a_model_that_rejects_the_request_is_not_retried(make_world):
+    world = await make_world()
+    world.model.faults.append(400)
+    result = await world.run()
+    assert (result.status, result.retryable) == ("infra_error", False)
+    assert result.error.startswith("model rejected the request")
+
+
+async def test_the_episode_deadline_ends_as_timeout_and_is_still_scored(make_world):
+    def slow(desktop_id: str) -> FakeDesktop:
+        async def step(code: str) -> None:
+            await asyncio.sleep(5)
+        return FakeDesktop(step_func=step, size=SCREEN, name=desktop_id)
+
+    world = await make_world("runner.episode_timeout_s=0.5", desktop=slow,
+                             replies=["Action: click(start_box='(10,10)')"])
+    result = await world.run()
+    assert result.status == "timeout" and result.reward == 0.0  # the file was never written
+    assert "deadline" in result.error
+
+
+async def test_cancelling_a_running_episode_returns_its_desktop(make_world):
+    started = asyncio.Event()
+
+    def stuck(desktop_id: str) -> FakeDesktop:
+        async def step(code: str) -> None:
+            started.set()
+            await asyncio.sleep(60)
+        return FakeDesktop(step_func=step, size=SCREEN, name=desktop_id)
+
+    world = await make_world(desktop=stuck, replies=["Action: click(start_box='(10,10)')"])
+    running = asyncio.ensure_future(world.run())
+    await asyncio.wait_for(started.wait(), 10)
+    assert await world.runner.cancel() == 1
+    result = await asyncio.wait_for(running, 10)
+    assert result.status == "cancelled"
+    for _ in range(100):
+        if world.pool.stats()["leased"] == 0:
+            break
+        await asyncio.sleep(0.02)
+    assert world.pool.stats()["leased"] == 0 and world.pool.stats()["releases"] == 1
+
+
+async def test_token_ids_and_logprobs_are_recorded_when_asked(make_world):
+    world = await make_world("model.sampling.return_token_ids=true",
+                             "model.sampling.logprobs=true",
+                             replies=["Action: click(start_box='(10,10)')\n\nfinished()"])
+    result = await world.run()
+    assert result.status == "success" and result.steps == 1
+    step = world.traj()[0]
+    assert step["token_ids"] and step["prompt_token_ids"] and step["logprobs"]
+    assert world.model.requests[0]["return_token_ids"] is True
