@@ -136,6 +136,7 @@ from benchmarks.sim_world import (  # noqa: E402
 )
 from rollout.layout import EPISODE_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
 from rollout.results import read_jsonl  # noqa: E402
+from rollout.types import Status  # noqa: E402
 
 SCHEDULES = ("rollout", "actor-per-episode", "batch")
 LEVELS = (8, 64, 256, 1024)
@@ -644,7 +645,7 @@ def _figures(row: _Row) -> dict[str, Any]:
         record = json.loads(path.read_text(encoding="utf-8"))
         if record["episode_id"] not in episodes:
             episodes[record["episode_id"]] = record
-            if record.get("status") == "cancelled":
+            if record.get("status") == Status.CANCELLED:
                 cancelled.add(record["episode_id"])
     for path in (row.run_dir / DOMAIN).glob(f"*/*/{TRAJ_FILE}"):
         # A step cancelled by the drain before its desktop part ended has no timing.

@@ -50,7 +50,15 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from desktop.protocol import Paths  # noqa: E402
+from desktop.protocol import (  # noqa: E402
+    AccessibilityReply,
+    CommandReply,
+    ErrorReply,
+    Paths,
+    RunPythonReply,
+    ScreenSizeReply,
+    TerminalReply,
+)
 from rollout.openai_protocol import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
     HEALTH_PATH,
@@ -560,10 +568,14 @@ class _EP:
 
 DESKTOP_KINDS = ("screenshot", "action", "reset", "setup", "health", "query", "unknown")
 _EXCLUSIVE = frozenset({"action", "reset", "setup"})  # two at once on a desktop: a double lease
-_EXECUTE_OK = b'{"status": "success", "output": "", "error": "", "returncode": 0}'
-_RUN_PYTHON_OK = (
-    b'{"status": "success", "message": "", "output": "", "error": "", "return_code": 0}'
-)
+# Replies built once from the protocol's models (desktop/protocol.py), served as bytes.
+_EXECUTE_OK = CommandReply(status="success", output="", error="", returncode=0
+                           ).model_dump_json().encode()
+_RUN_PYTHON_OK = RunPythonReply(status="success", message="", output="", error="",
+                                return_code=0).model_dump_json().encode()
+_TERMINAL_OK = TerminalReply(output="").model_dump_json().encode()
+_ACCESSIBILITY_OK = AccessibilityReply(AT='<desktop-frame name="sim"/>').model_dump_json().encode()
+_FILE_NOT_FOUND = ErrorReply(error="File not found").model_dump_json().encode()
 
 
 class DesktopsApp(_App):
@@ -578,7 +590,7 @@ class DesktopsApp(_App):
         self._rng = random.Random(cfg.seed * 1000 + worker)
         self._reset_json = [json.dumps(RESET_COMMAND).encode(), b'"sim-reset"']
         w, h = cfg.screen_width, cfg.screen_height
-        self._screen_size = json.dumps({"width": w, "height": h}).encode()
+        self._screen_size = ScreenSizeReply(width=w, height=h).model_dump_json().encode()
         self._cursor = json.dumps([w // 2, h // 2]).encode()
         self.busy = [0] * count  # exclusive requests in flight per desktop (state, not a stat)
         self.reset_stats()
@@ -655,11 +667,11 @@ class DesktopsApp(_App):
         if endpoint == _EP.RUN_PYTHON:
             return "query", _Reply(200, _RUN_PYTHON_OK)
         if endpoint == _EP.TERMINAL:
-            return "query", _Reply(200, b'{"output": "", "status": "success"}')
+            return "query", _Reply(200, _TERMINAL_OK)
         if endpoint == _EP.ACCESSIBILITY:
-            return "query", _Reply(200, b'{"AT": "<desktop-frame name=\\"sim\\"/>"}')
+            return "query", _Reply(200, _ACCESSIBILITY_OK)
         if endpoint == _EP.FILE:
-            return "query", _Reply(404, b'{"error": "file not found"}')
+            return "query", _Reply(404, _FILE_NOT_FOUND)
         return "unknown", _NOT_FOUND
 
     @staticmethod

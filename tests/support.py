@@ -1,4 +1,4 @@
-"""Helpers shared by tests."""
+"""Helpers and paths shared by the tests of every tier."""
 
 from __future__ import annotations
 
@@ -6,8 +6,12 @@ import asyncio
 import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
 
 
 def unavailable(reason: str) -> None:

@@ -21,9 +21,10 @@ from rollout.testing.fake_desktop import FakeDesktop, FakeProvider
 from rollout.testing.fake_openai import FakeOpenAIServer
 from rollout.types import EpisodeResult, EpisodeSpec
 from storage_actor import StorageActor
+from tests.support import REPO_ROOT
 from trajectory_runner import TrajectoryRunner
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = REPO_ROOT
 SCREEN = (1280, 720)
 # The file the "app" of these tests writes when clicked, and the evaluator that reads it.
 CLICKED = "/home/user/clicked.txt"

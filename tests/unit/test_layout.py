@@ -12,7 +12,9 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.support import REPO_ROOT
+
+ROOT = REPO_ROOT
 DESIGN_CARD = ["agent_coordinator", "env_k8s", "model_service_pool", "prompts", "run",
                "run_model", "storage_actor", "task_loader", "trajectory_runner", "ui_tars_utils"]
 # What each top-level file exports: its public surface, pinned (a change here is an API change).

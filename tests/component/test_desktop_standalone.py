@@ -18,8 +18,9 @@ import pytest
 
 from desktop.protocol import Paths
 from desktop.server import create_app
+from tests.support import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 DESKTOP = REPO / "desktop"
 # Launches a desktop from the controller's side; it is on its way out of desktop/.
 CONTROLLER_SIDE = {"session.py"}

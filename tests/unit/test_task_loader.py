@@ -19,8 +19,9 @@ import pytest
 from config import DynamicRolloutsConfig, TasksConfig
 from rollout.errors import ConfigError
 from task_loader import EpisodeSpec, TaskLoader, dynamic_rollout_n, validate_task
+from tests.support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 SUITE = ROOT / "tasks" / "demo"
 TASK_LIST = SUITE / "test_all.json"
 DEMO_DOMAINS = {"terminal": 7, "editor": 6, "calculator": 5}

@@ -26,6 +26,7 @@ from rollout.evaluation import evaluate
 from rollout.http import ThreadedServer
 from rollout.screenshot import Screenshot
 from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from tests.support import REPO_ROOT
 from ui_tars_utils import parse_response, to_pyautogui
 
 
@@ -35,7 +36,7 @@ async def score(env: RemoteDesktopEnv, task: dict[str, Any], last_action: str | 
     return await evaluate(env, task, last_action,
                           cache_dir=Path(cfg.desktops.download_cache_dir), task_id=task["id"])
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 SUITE = ROOT / "tasks" / "demo"
 DEMO_CONFIG = ROOT / "configs" / "demo.yaml"
 

@@ -7,9 +7,6 @@ from __future__ import annotations
 import asyncio
 import io
 import json
-import shutil
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -91,19 +88,12 @@ def test_png_parts_join_back_and_stay_under_the_inline_size():
 # --------------------------------------------------------------------------- the benchmark
 
 
-@pytest.fixture
-def out_dir() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="bench-rollout-test-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 @pytest.mark.integration
 @pytest.mark.slow
-def test_a_tiny_run_loses_and_duplicates_nothing_and_writes_its_files(out_dir: Path):
-    out = out_dir / "bench.json"
+def test_a_tiny_run_loses_and_duplicates_nothing_and_writes_its_files(tmp: Path):
+    out = tmp / "bench.json"
     code = bench_rollout.main([
         "--quick", "--levels", "4", "--schedules", "rollout", "batch", "--no-routing",
         "--warmup-s", "1", "--window-s", "3", "--out", str(out),

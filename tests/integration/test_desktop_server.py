@@ -36,8 +36,9 @@ from PIL import Image
 
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.protocol import execute_command
+from tests.support import REPO_ROOT
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = REPO_ROOT
 SCREEN_W, SCREEN_H = 1280, 800
 TOKEN_ENV = "DESKTOP_SERVER_TEST_TOKEN"
 # Server-side time limits, short so that the limit cases end quickly (OSWorld: 120 s, 30 s).

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,8 +22,9 @@ from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
 from rollout.testing.fake_openai import FakeOpenAIServer
 from run import Actors, start_actors, stop_actors
 from task_loader import TaskLoader
+from tests.support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 DEMO = ROOT / "configs" / "demo.yaml"
 SUITE = ROOT / "tasks" / "demo"
 
@@ -103,13 +102,6 @@ def _traj(cfg: Config, episode_id: str) -> list[dict[str, Any]]:
     return [json.loads(x) for x in path.read_text().splitlines()]
 
 
-@pytest.fixture
-def tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="coordinator-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def test_a_killed_runner_is_replaced_and_its_episodes_complete(local_ray, tmp):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -13,6 +12,7 @@ from hypothesis import strategies as st
 
 from desktop.protocol import execute_command
 from rollout.errors import ActionParseError
+from tests.support import TESTS_DIR
 from ui_tars_utils import (
     ACTION_KINDS,
     DONE,
@@ -33,7 +33,7 @@ from ui_tars_utils import (
     to_pyautogui,
 )
 
-CORPUS_PATH = Path(__file__).parent / "data" / "uitars_corpus.jsonl"
+CORPUS_PATH = TESTS_DIR / "data" / "uitars_corpus.jsonl"
 CORPUS = [json.loads(line) for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines()]
 GOOD = [c for c in CORPUS if not c["expect"].get("error")]
 BROKEN = [c for c in CORPUS if c["expect"].get("error")]

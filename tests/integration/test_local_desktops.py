@@ -25,10 +25,11 @@ from env_k8s import (
 )
 from rollout.envs.local_session import MARKER, SESSION_FILE, sweep_stale_sessions
 from tests import support
+from tests.support import REPO_ROOT
 
 pytestmark = pytest.mark.integration
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 
 def desktops_cfg(tmp_path: Path, **kw) -> DesktopsConfig:

@@ -5,8 +5,6 @@ in the integration tests."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from config import load_config
 from env_k8s import DONE, FAIL, WAIT
 from rollout.errors import (
@@ -19,10 +17,11 @@ from rollout.errors import (
     UnsupportedSetupStep,
 )
 from rollout.types import STATUSES, EpisodeSpec, infra_result
+from tests.support import REPO_ROOT
 from trajectory_runner import Decider, episode_error
 from ui_tars_utils import parse_response
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 TASK = {"id": "t1", "instruction": "do it", "evaluator": {"func": "infeasible"}}
 
 

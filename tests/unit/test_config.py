@@ -13,8 +13,9 @@ import yaml
 import config as config_module
 from config import Config, load_config, secret_from_env
 from rollout.errors import ConfigError
+from tests.support import REPO_ROOT
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 
 FULL = """
 run: {name: exp-1, output_dir: out, seed: 7, log_level: DEBUG}

@@ -45,9 +45,9 @@ from rollout.fleet.processes import (
 from rollout.fleet.replica_api import parse_vllm_load
 from rollout.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
 from rollout.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
-from tests.support import unavailable
+from tests.support import REPO_ROOT, unavailable
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = REPO_ROOT
 RUN_MODEL = ROOT / "run_model.py"
 TINY_MODEL = ROOT / "tests" / "tiny_model.py"
 MODEL_NAME = "tiny"

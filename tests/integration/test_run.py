@@ -10,29 +10,23 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+from tests.support import REPO_ROOT
+
+ROOT = REPO_ROOT
 DEMO = ROOT / "configs" / "demo.yaml"
 SUITE = ROOT / "tasks" / "demo"
 RUN_TIMEOUT_S = 420
 
 
-@pytest.fixture
-def tmp() -> Iterator[Path]:
-    path = Path(tempfile.mkdtemp(prefix="run-"))
-    try:
-        yield path
-    finally:
-        shutil.rmtree(path, ignore_errors=True)
 
 
 def _command(tmp: Path, *sets: str) -> list[str]:

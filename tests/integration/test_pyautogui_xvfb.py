@@ -23,11 +23,11 @@ import pytest
 
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.protocol import execute_command
-from tests.support import unavailable
+from tests.support import TESTS_DIR, unavailable
 from ui_tars_utils import Action, parse_response, screen_to_model, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
-PROBE_APP = Path(__file__).parent / "apps" / "probe_window.py"
+PROBE_APP = TESTS_DIR / "apps" / "probe_window.py"
 PROBE_SIZE = "1000x700"
 READY_TIMEOUT_S = 20.0
 EVENT_TIMEOUT_S = 10.0

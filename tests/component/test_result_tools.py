@@ -22,9 +22,9 @@ from PIL import Image
 
 from rollout.results import load_run
 from tests.results_fixtures import RUN_A, RUN_B, Ep, make_osworld_run, make_run
-from tests.support import unavailable
+from tests.support import REPO_ROOT, unavailable
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = REPO_ROOT
 SCRIPTS = REPO / "scripts"
 sys.path.insert(0, str(SCRIPTS))  # the scripts are files, not a package: import them as modules
 
