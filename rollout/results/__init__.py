@@ -1,0 +1,87 @@
+"""Reading a run's results, for run.py's final table and the tools in scripts/.
+
+    runs.py     a run directory (ours or OSWorld's) as Run / Episode / Problem records
+    rates.py    per-task aggregation and the rates: success rate, avg@k, pass@k
+    summary.py  the one-run summary: summarize(run) and print_table(summary)
+    cli.py      what the scripts share: parser, opening a run, formatting
+
+No Ray, matplotlib or PIL: those are imported, if at all, by the script that draws.
+"""
+
+from rollout.results.cli import (
+    RUN_DIR_HELP,
+    STATUS_ABBREV,
+    add_json_flag,
+    add_out_dir,
+    fail,
+    fmt_float,
+    fmt_rate,
+    make_out_dir,
+    open_run,
+    report_problems,
+    results_parser,
+)
+from rollout.results.rates import (
+    OSWORLD_GROUPS,
+    Rates,
+    TaskSummary,
+    canonical_domain,
+    compute_rates,
+    flat_rates,
+    group_of,
+    k_label,
+    mean_std,
+    summarize_tasks,
+)
+from rollout.results.runs import (
+    LAYOUT_OSWORLD,
+    LAYOUT_OURS,
+    Episode,
+    Layout,
+    Problem,
+    Run,
+    RunDirError,
+    load_run,
+    read_jsonl,
+    read_metrics,
+    read_traj,
+)
+from rollout.results.summary import SUMMARY_SCHEMA, print_table, summarize
+
+__all__ = [
+    "LAYOUT_OSWORLD",
+    "LAYOUT_OURS",
+    "OSWORLD_GROUPS",
+    "RUN_DIR_HELP",
+    "STATUS_ABBREV",
+    "SUMMARY_SCHEMA",
+    "Episode",
+    "Layout",
+    "Problem",
+    "Rates",
+    "Run",
+    "RunDirError",
+    "TaskSummary",
+    "add_json_flag",
+    "add_out_dir",
+    "canonical_domain",
+    "compute_rates",
+    "fail",
+    "flat_rates",
+    "fmt_float",
+    "fmt_rate",
+    "group_of",
+    "k_label",
+    "load_run",
+    "make_out_dir",
+    "mean_std",
+    "open_run",
+    "print_table",
+    "read_jsonl",
+    "read_metrics",
+    "read_traj",
+    "report_problems",
+    "results_parser",
+    "summarize",
+    "summarize_tasks",
+]
