@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import importlib
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -165,3 +166,18 @@ def test_the_one_way_edges():
     for path in ROOT.glob("benchmarks/*.py"):
         bad = [m for m, _ in _imports(path, top_level_only=False) if m.startswith("tests")]
         assert not bad, f"{path.name} imports from tests/: {bad}"
+
+
+def test_no_source_file_is_ignored_by_git():
+    """A .gitignore rule for run outputs once hid a package (``results/`` matched
+    rollout/results/): a fresh clone then lacked it while the working tree passed."""
+    files = [str(p.relative_to(ROOT)) for p in [*MODULES.values(), *ROOT.glob("scripts/*"),
+                                                  *ROOT.glob("tests/**/*.py")]]
+    try:
+        done = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60, check=False)
+    except FileNotFoundError:
+        pytest.skip("git is not installed")
+    if done.returncode == 128:
+        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+    assert done.stdout.split() == [], f"ignored by .gitignore: {done.stdout.split()}"
