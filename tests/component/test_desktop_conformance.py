@@ -101,3 +101,17 @@ async def test_the_simulated_desktops_conform_through_the_static_provider(sim):
     finally:
         await pool.stop()
         await close_shared_client()
+
+
+async def test_a_dead_desktop_fails_in_the_projects_terms_not_the_transports():
+    """The OSWorld client translates transport errors: a desktop nobody listens for is a
+    DesktopError (retried elsewhere by the coordinator), never an httpx2 exception."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]  # closed again before the client connects
+    cfg = DesktopsConfig(retries=0, request_timeout_s=2)
+    env = RemoteDesktopEnv.for_lease(f"http://127.0.0.1:{port}", cfg, name="dead")
+    with pytest.raises(DesktopError, match="dead/screenshot: cannot connect"):
+        await check_desktop_env(env)
