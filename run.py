@@ -28,7 +28,9 @@ from typing import Any
 
 from config import Config, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
+from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.state import ENDPOINTS_FILE
+from rollout.layout import RUN_LOCK_FILE
 from rollout.progress import Progress
 from rollout.types import SCORED_STATUSES
 from task_loader import TaskLoader
@@ -281,6 +283,13 @@ def run(cfg: Config) -> int:
     with ExitStack() as stack:
         for sig, handler in previous.items():
             stack.callback(signal.signal, sig, handler)
+        # One driver per run directory: a second one would hand out the same episodes and
+        # both would write (and remove) the same episode directories.
+        try:
+            stack.enter_context(DirectoryLock(run_dir, RUN_LOCK_FILE))
+        except LockHeld as exc:
+            raise FatalSetupError(f"another run.py ({exc.holder}) is writing {run_dir}; "
+                                  "wait for it to end or use another run.name") from None
         # What can be checked without Ray fails first: the task source, the model endpoints.
         TaskLoader(cfg.tasks, run_dir)
         model_state_dir = None

@@ -11,6 +11,7 @@ import abc
 import json
 import logging
 import os
+import re
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from rollout.layout import RESULTS_FILE
 from rollout.types import SCORED_STATUSES, EpisodeSpec
 
 __all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
-           "validate_task"]
+           "name_problem", "validate_task"]
 
 logger = logging.getLogger(__name__)
 
@@ -62,6 +63,23 @@ def dynamic_rollout_n(success_rate: float, *, threshold: float, min_n: int) -> i
     return max(min_n, int(9 / success_rate - 7 + _FORMULA_EPS))
 
 
+# Task ids and domains name directories of the run (<run>/<domain>/<id>/<rollout>): one
+# path component each, never "." or "..", so no two tasks share a directory and none
+# leaves the run directory. OSWorld's ids (UUIDs) and domains (libreoffice_calc ...) fit.
+_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
+_NAME_MAX_CHARS = 128
+
+
+def name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a task id or domain (a directory of the run), or None."""
+    if name in (".", "..") or not _NAME_RE.fullmatch(name):
+        return (f"must be letters, digits, '.', '_' or '-' (one path component, not '.' "
+                f"or '..'), got {name!r}")
+    if len(name) > _NAME_MAX_CHARS:
+        return f"must be at most {_NAME_MAX_CHARS} characters, got {len(name)}"
+    return None
+
+
 def validate_task(
     task: Any, *, path: Path, osworld: bool, line: int | None = None
 ) -> list[TaskProblem]:
@@ -81,10 +99,15 @@ def validate_task(
             problems.append(problem(name, "missing"))
         elif not isinstance(value, str) or not value.strip():
             problems.append(problem(name, f"must be a non-empty string, got {value!r}"))
-    if isinstance(task.get("id"), str) and "/" in task["id"]:
-        problems.append(problem("id", f"must not contain '/', got {task['id']!r}"))
-    if "domain" in task and (not isinstance(task["domain"], str) or not task["domain"]):
-        problems.append(problem("domain", f"must be a non-empty string, got {task['domain']!r}"))
+    if (isinstance(task.get("id"), str) and task["id"].strip()
+            and (bad := name_problem(task["id"])) is not None):
+        problems.append(problem("id", bad))
+    if "domain" in task:
+        if not isinstance(task["domain"], str) or not task["domain"]:
+            problems.append(problem("domain",
+                                    f"must be a non-empty string, got {task['domain']!r}"))
+        elif (bad := name_problem(task["domain"])) is not None:
+            problems.append(problem("domain", bad))
 
     if "config" not in task:
         if osworld:
@@ -161,6 +184,8 @@ def _read_json(path: Path) -> tuple[Any, TaskProblem | None]:
 
 def _parse_task_file(path: Path, domain: str, expected_id: str | None) -> _Parsed:
     signature = _signature(path)
+    if (bad := name_problem(domain)) is not None:
+        return _Parsed(signature, [], [TaskProblem(path, "domain", bad)])
     data, problem = _read_json(path)
     if problem is not None:
         return _Parsed(signature, [], [problem])
@@ -261,6 +286,11 @@ class _TaskListSource(_Source):
         for domain, task_id in self._entries:
             if not wanted(domain, task_id):
                 continue  # filtered before reading: a big list costs a stat per wanted task
+            bad = [(f, m) for f, v in (("domain", domain), ("id", task_id))
+                   if (m := name_problem(v)) is not None]
+            if bad:  # never a path built from it: it could leave examples_dir
+                problems += [TaskProblem(self.path, f"{domain}: {f}", m) for f, m in bad]
+                continue
             path = self.examples_dir / domain / f"{task_id}.json"
             parsed = self._cached_task_file(path, domain, task_id)
             tasks.extend(parsed.tasks)

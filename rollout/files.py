@@ -5,17 +5,19 @@ the repair of a JSONL file a crash cut short. Callers on an event loop run them 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
+import socket
 import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["JsonLine", "append_text", "iter_jsonl", "read_json", "repair_jsonl_tail",
-           "write_atomic"]
+__all__ = ["DirectoryLock", "JsonLine", "LockHeld", "append_text", "iter_jsonl", "read_json",
+           "repair_jsonl_tail", "write_atomic"]
 
 log = logging.getLogger(__name__)
 
@@ -103,3 +105,51 @@ def iter_jsonl(text: str) -> Iterator[JsonLine]:
             yield JsonLine(number, json.loads(raw))
         except json.JSONDecodeError as exc:
             yield JsonLine(number, error=exc)
+
+
+class LockHeld(Exception):
+    """Another process holds the lock; ``holder`` is what it wrote ("pid N on host H")."""
+
+    def __init__(self, path: Path, holder: str) -> None:
+        super().__init__(f"{path} is locked by {holder}")
+        self.path = path
+        self.holder = holder
+
+
+class DirectoryLock:
+    """An exclusive ``flock`` on ``<directory>/<name>``, held while this object lives (or until
+    ``release``), so one process at a time owns a directory (a run, a fleet's state). The
+    kernel drops it when the process dies, so a crash never leaves a stale lock. The holder
+    writes its pid and host into the file for the error the next process shows."""
+
+    def __init__(self, directory: Path, name: str = ".lock") -> None:
+        self.path = Path(directory) / name
+        self._fd: int | None = None
+
+    def acquire(self) -> DirectoryLock:
+        """Take the lock now or raise ``LockHeld`` naming the holder."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            try:
+                holder = os.pread(fd, 200, 0).decode("utf-8", "replace").strip()
+            finally:
+                os.close(fd)
+            raise LockHeld(self.path, holder or "another process") from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"pid {os.getpid()} on host {socket.gethostname()}\n".encode(), 0)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fd, self._fd = self._fd, None
+            os.close(fd)  # closing the descriptor drops the flock
+
+    def __enter__(self) -> DirectoryLock:
+        return self.acquire()
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()

@@ -1,7 +1,7 @@
 """The names of a run directory's files (docs/results_format.md), defined once for the writer
 (storage_actor.py), the resume reader (task_loader.py) and the result tools (rollout.results).
 
-    <run>/run.json, results.jsonl, metrics.jsonl
+    <run>/run.json, results.jsonl, metrics.jsonl, .lock
     <run>/<domain>/<task_id>/<rollout>/task_config.json, traj.jsonl, step_<n>.png,
                                        episode.json, result.txt, messages.json
 """
@@ -15,12 +15,14 @@ __all__ = [
     "OSWORLD_RESULT_FILE",
     "RESULTS_FILE",
     "RUN_FILE",
+    "RUN_LOCK_FILE",
     "TASK_CONFIG_FILE",
     "TRAJ_FILE",
     "screenshot_name",
 ]
 
 RUN_FILE = "run.json"                  # config snapshot, versions, start/end, summary
+RUN_LOCK_FILE = ".lock"                # flock'ed by the one driver writing the run
 RESULTS_FILE = "results.jsonl"         # one line per finished episode: the index
 METRICS_FILE = "metrics.jsonl"         # the coordinator's samples over time
 TASK_CONFIG_FILE = "task_config.json"  # the task as run

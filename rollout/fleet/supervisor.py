@@ -7,7 +7,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import enum
-import fcntl
 import logging
 import os
 import signal
@@ -20,6 +19,7 @@ from typing import Protocol
 from config import ModelPoolConfig
 from rollout.aio import TaskSet
 from rollout.errors import ConfigError, FleetError
+from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.checkpoints import checkpoint_version, resolve_checkpoint, same_architecture
 from rollout.fleet.devices import assign_devices, choose_port, detect_gpus, port_is_free, url_host
 from rollout.fleet.launch import replica_command, replica_env
@@ -44,7 +44,6 @@ from rollout.fleet.state import (
     FleetState,
     ReloadReplicaResult,
     ReloadStatus,
-    read_control,
     write_control,
     write_state,
 )
@@ -181,7 +180,7 @@ class Supervisor:
             detect_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
         self._control: ControlService | None = None
-        self._lock_fd: int | None = None
+        self._lock: DirectoryLock | None = None  # held for the supervisor's life
         self._api: ReplicaAPI | None = None
         self._stopping: asyncio.Event | None = None
         self._force = False
@@ -197,17 +196,12 @@ class Supervisor:
         Raises ``FleetError`` when another supervisor owns it."""
         self.state_dir.mkdir(parents=True, exist_ok=True)
         (self.state_dir / LOG_DIR).mkdir(exist_ok=True)
-        fd = os.open(self.state_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            info = read_control(self.state_dir)
-            other = info.pid if info is not None and info.pid is not None else "?"
+            self._lock = DirectoryLock(self.state_dir, LOCK_FILE).acquire()
+        except LockHeld as exc:
             raise FleetError(
-                f"another run_model.py (pid {other}) already supervises {self.state_dir}"
+                f"another run_model.py ({exc.holder}) already supervises {self.state_dir}"
             ) from None
-        self._lock_fd = fd
         sweep_stale_replicas(self.state_dir, self.pool.stop_timeout_s)
 
     async def run(self, control: ControlService) -> int:

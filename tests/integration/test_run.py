@@ -19,6 +19,8 @@ from typing import Any
 import psutil
 import pytest
 
+from rollout.files import DirectoryLock
+from rollout.layout import RUN_LOCK_FILE
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -165,6 +167,19 @@ def test_setup_errors_exit_with_one_line_and_their_codes(tmp):
     assert no_model.returncode == 1
     [line] = [x for x in no_model.stderr.splitlines() if x.startswith("run.py: error:")]
     assert "no model endpoints" in line
+
+
+@pytest.mark.integration
+def test_a_second_driver_on_the_same_run_exits_naming_the_first(tmp):
+    """Two drivers on one run directory would hand out the same episodes and remove each
+    other's episode directories (review M1): the second one stops before anything starts."""
+    run_dir = tmp / "results" / "demo"
+    with DirectoryLock(run_dir, RUN_LOCK_FILE):  # this test process is the first driver
+        second = _run(_command(tmp), cwd=ROOT)
+    assert second.returncode == 1, second.stderr[-2000:]
+    [line] = [x for x in second.stderr.splitlines() if x.startswith("run.py: error:")]
+    assert f"another run.py (pid {os.getpid()} on host" in line and str(run_dir) in line
+    assert not (run_dir / "results.jsonl").exists() and not (run_dir / "run.json").exists()
 
 
 def _interrupt_when(args: list[str], ready: Callable[[], bool], ctrl_c: int = 1

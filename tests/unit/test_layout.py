@@ -35,7 +35,7 @@ EXPORTS = {
     "run": ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
             "print_summary", "run", "start_actors", "stop_actors"],
     "storage_actor": ["PART_BYTES", "EpisodeWriter", "StorageActor", "png_parts"],
-    "task_loader": ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem",
+    "task_loader": ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "name_problem",
                     "dynamic_rollout_n", "validate_task"],
     "trajectory_runner": ["Decider", "EnvFactory", "TrajectoryRunner", "episode_error",
                           "open_leased_desktop"],

@@ -570,3 +570,55 @@ def test_dynamic_rollouts_off_ignores_results(tmp_path: Path) -> None:
     for _ in range(5):
         loader.record_result("calc-add", "calculator", 1.0)
     assert len(loader.poll()) == 8
+
+
+# --------------------------------------------------------------------------- names (review M2)
+
+
+def test_ids_and_domains_that_would_share_or_leave_a_directory_are_task_problems(
+        tmp_path: Path) -> None:
+    """``.`` as an id resolved to its task's domain dir; ``x/../y`` to another domain's; a
+    lone surrogate broke the storage's hashing; each is now a reported problem and the
+    other tasks run."""
+    source = tmp_path / "tasks.jsonl"
+    rows = [
+        {"id": "ok", "instruction": "fine"},
+        {"id": ".", "instruction": "x"},
+        {"id": "..", "instruction": "x"},
+        {"id": "a b", "instruction": "x"},
+        {"id": "\ud800", "instruction": "x"},
+        {"id": "x" * 129, "instruction": "x"},
+        {"id": "t2", "instruction": "x", "domain": "x/../y"},
+        {"id": "t3", "instruction": "x", "domain": ".."},
+    ]
+    source.write_text("\n".join(json.dumps(r) for r in rows))
+    loader = _loader(tmp_path, source=source)
+    assert [s.episode_id for s in loader.poll()] == ["default/ok/0"]
+    assert sorted((p.line, p.field) for p in loader.problems) == [
+        (2, "id"), (3, "id"), (4, "id"), (5, "id"), (6, "id"), (7, "domain"), (8, "domain")]
+    assert "at most 128 characters" in str(loader.problems[4])
+
+
+def test_a_task_list_entry_with_a_bad_domain_or_id_is_skipped_not_followed(
+        tmp_path: Path) -> None:
+    suite = _copy_suite(tmp_path)
+    listing = json.loads((suite / "test_all.json").read_text())
+    (tmp_path / "secret.json").write_text(json.dumps({"id": "secret", "instruction": "x",
+                                                      "config": [], "evaluator": {"func": "x"}}))
+    listing[".."] = ["secret"]                  # examples/../secret.json would be read
+    listing["terminal"] = [*listing["terminal"], "../../secret"]
+    (suite / "test_all.json").write_text(json.dumps(listing))
+    loader = _loader(tmp_path, source=suite / "test_all.json")
+    specs = loader.poll()
+    assert specs and all(s.domain != ".." and "secret" not in s.task_id for s in specs)
+    assert sorted(p.field for p in loader.problems) == ["..: domain", "terminal: id"]
+
+
+def test_a_directory_source_reports_a_folder_that_cannot_be_a_domain(tmp_path: Path) -> None:
+    root = tmp_path / "tasks"
+    shutil.copytree(SUITE / "examples" / "terminal", root / "terminal")
+    shutil.copytree(SUITE / "examples" / "terminal", root / "two words")
+    loader = _loader(tmp_path, source=root)
+    domains = {s.domain for s in loader.poll()}
+    assert domains == {"terminal"}
+    assert {p.field for p in loader.problems} == {"domain"}

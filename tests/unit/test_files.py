@@ -1,0 +1,62 @@
+"""rollout.files: the directory lock (one owner per run or fleet directory, released when its
+holder dies), atomic writes and the JSONL reader every reader shares."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from rollout.files import DirectoryLock, LockHeld, iter_jsonl, repair_jsonl_tail, write_atomic
+
+
+def test_a_held_lock_names_its_holder_and_frees_on_release(tmp_path: Path):
+    first = DirectoryLock(tmp_path).acquire()
+    # flock is per open file: a second open in this process is refused like another process.
+    with pytest.raises(LockHeld, match=f"pid {os.getpid()} on host"):
+        DirectoryLock(tmp_path).acquire()
+    first.release()
+    with DirectoryLock(tmp_path) as again:
+        assert again.path == tmp_path / ".lock"
+
+
+def test_a_lock_whose_holder_died_is_free(tmp_path: Path):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(f"""
+            import sys, time
+            from rollout.files import DirectoryLock
+            DirectoryLock({str(tmp_path)!r}).acquire()
+            print("held", flush=True)
+            time.sleep(60)
+        """)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(LockHeld, match=f"pid {holder.pid} "):
+            DirectoryLock(tmp_path).acquire()
+    finally:
+        holder.kill()
+        holder.wait()
+        holder.stdout.close()
+    DirectoryLock(tmp_path).acquire().release()  # the kernel dropped the dead holder's lock
+
+
+def test_atomic_write_mode_and_a_monotonic_mtime(tmp_path: Path):
+    path = tmp_path / "state.json"
+    first = write_atomic(path, b"{}", mode=0o600)
+    assert path.read_bytes() == b"{}" and (path.stat().st_mode & 0o777) == 0o600
+    assert write_atomic(path, b"[]", min_mtime_ns=first + 10**9) > first + 10**9
+    assert [p.name for p in tmp_path.iterdir()] == ["state.json"]  # no temp file left
+
+
+def test_jsonl_lines_and_a_cut_tail(tmp_path: Path):
+    lines = list(iter_jsonl('{"a": 1}\n\n[2]\n{"cut'))
+    assert [(x.number, x.value) for x in lines[:2]] == [(1, {"a": 1}), (3, [2])]
+    assert lines[2].number == 4 and lines[2].error is not None
+    path = tmp_path / "results.jsonl"
+    path.write_text('{"a": 1}\n{"cut')
+    assert repair_jsonl_tail(path) == len('{"cut') and path.read_text() == '{"a": 1}\n'
+    assert repair_jsonl_tail(tmp_path / "missing.jsonl") == 0
