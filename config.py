@@ -7,6 +7,7 @@ never in the YAML: the config names the environment variables that hold them.
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import os
 import sys
 import types
@@ -206,8 +207,12 @@ class ModelPoolConfig(_Section):
     reload_in_place: bool = True
     """Reload weights in place (vLLM dev endpoints ``/pause``, ``/collective_rpc``
     ``reload_weights``, ``/resume``) when the new checkpoint has the same architecture and
-    tokenizer; else restart the replica. Starts replicas with ``VLLM_SERVER_DEV_MODE=1``:
-    do not expose them to untrusted networks."""
+    tokenizer; else restart the replica. Starts replicas with ``VLLM_SERVER_DEV_MODE=1``,
+    whose endpoints have no authentication: refused on a non-loopback ``host`` unless
+    ``dev_mode_on_network`` is set."""
+    dev_mode_on_network: bool = False
+    """Allow ``reload_in_place`` (vLLM dev mode) with a non-loopback ``host``: anyone who
+    reaches a replica can then pause it or load other weights. Only on a trusted network."""
     health_timeout_s: PositiveFloat = 5.0
     """Deadline of one ``/health`` or ``/metrics`` request to a replica."""
     health_failures_to_restart: PositiveInt = 3
@@ -403,6 +408,16 @@ class Config(_Section):
             raise ValueError("model.scripted and model.endpoints exclude each other; set one")
         if self.desktops.provider == "static" and not self.desktops.static.urls:
             raise ValueError("desktops.provider is 'static' but desktops.static.urls is empty")
+        pool = self.model_pool
+        dev_mode = pool.reload_in_place or pool.env.get("VLLM_SERVER_DEV_MODE", "0") not in (
+            "", "0")
+        if dev_mode and not pool.dev_mode_on_network and not _is_loopback(pool.host):
+            raise ValueError(
+                f"model_pool.reload_in_place (or env VLLM_SERVER_DEV_MODE) starts vLLM's "
+                f"unauthenticated dev endpoints, and "
+                f"model_pool.host {pool.host!r} is not loopback: set "
+                "model_pool.reload_in_place: false, or model_pool.dev_mode_on_network: true "
+                "on a trusted network")
         return self
 
     @property
@@ -412,6 +427,15 @@ class Config(_Section):
 
 
 # --------------------------------------------------------------------------- secrets
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name other than localhost: not provably loopback
+        return False
 
 
 def secret_from_env(var_name: str | None, key_path: str) -> str | None:

@@ -67,6 +67,7 @@ model_pool:
   drain_timeout_s: 120
   drain_grace_s: 1.5
   reload_in_place: false
+  dev_mode_on_network: true
   health_timeout_s: 2
   health_failures_to_restart: 5
   stop_timeout_s: 10
@@ -228,6 +229,20 @@ def test_cross_field_rules(tmp_path):
         load_config(write(tmp_path, "model: {scripted: true, endpoints: ['http://x:1']}"))
     with pytest.raises(ConfigError, match=r"static\.urls is empty"):
         load_config(write(tmp_path, "desktops: {provider: static}"))
+
+
+def test_vllm_dev_mode_is_refused_on_a_network_host_unless_allowed(tmp_path):
+    """Review L7: the dev endpoints (/pause, /collective_rpc) have no authentication."""
+    with pytest.raises(ConfigError, match=r"model_pool\.host '0\.0\.0\.0' is not loopback"):
+        load_config(write(tmp_path, "model_pool: {host: 0.0.0.0}"))
+    with pytest.raises(ConfigError, match="not loopback"):  # dev mode asked through env
+        load_config(write(tmp_path, "model_pool: {host: 0.0.0.0, reload_in_place: false, "
+                                    "env: {VLLM_SERVER_DEV_MODE: '1'}}"))
+    for allowed in ("model_pool: {host: 0.0.0.0, reload_in_place: false}",
+                    "model_pool: {host: 0.0.0.0, dev_mode_on_network: true}",
+                    "model_pool: {host: '::1'}", "model_pool: {host: localhost}",
+                    "model_pool: {host: 127.0.0.2}"):
+        load_config(write(tmp_path, allowed))
 
 
 def test_overrides_are_typed_by_the_schema(tmp_path):
