@@ -25,7 +25,7 @@ from config import ModelConfig, SamplingConfig, secret_from_env
 from rollout.aio import backoff_s
 from rollout.errors import ModelRequestError, ModelUnavailable
 from rollout.fleet.state import ENDPOINTS_FILE
-from rollout.http import error_text, ssl_context
+from rollout.http import error_text, redact_url, ssl_context
 from rollout.openai_protocol import (
     CHAT_COMPLETIONS_PATH,
     HEALTH_PATH,
@@ -84,8 +84,13 @@ class Endpoint:
     ejected: bool = False
     last_error: str | None = None
 
+    @property
+    def label(self) -> str:
+        """The URL as records, statistics and logs show it (credentials redacted)."""
+        return redact_url(self.url)
+
     def snapshot(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        return {**dataclasses.asdict(self), "url": self.label}
 
 
 # --------------------------------------------------------------------------- routing policies
@@ -236,7 +241,7 @@ class ModelServicePool:
             try:
                 return await self._send(endpoint, content, attempt + 1)
             except _Transient as exc:
-                last_error = f"{endpoint.url}: {exc}"
+                last_error = f"{endpoint.label}: {exc}"
                 log.warning("model request failed (attempt %d): %s", attempt + 1, last_error)
         raise ModelUnavailable(
             f"no reply after {self.cfg.retries + 1} attempts; last error: {last_error}"
@@ -330,7 +335,7 @@ class ModelServicePool:
                 # The request itself is wrong (too long, images to a text model ...).
                 endpoint.consecutive_failures = 0
                 raise ModelRequestError(
-                    response.status_code, error_text(response), endpoint.url
+                    response.status_code, error_text(response), endpoint.label
                 )
             try:
                 # Not JSON, or JSON but not a completion: both raise ValueError.
@@ -341,7 +346,7 @@ class ModelServicePool:
             endpoint.served += 1
             return Generation(
                 text=reply.text,
-                endpoint=endpoint.url,
+                endpoint=endpoint.label,
                 model_version=endpoint.model_version or reply.model,
                 latency_s=self._clock() - started,
                 prompt_tokens=reply.prompt_tokens,
@@ -362,7 +367,7 @@ class ModelServicePool:
         if failures >= self.cfg.endpoint_failures_to_eject and not endpoint.ejected:
             endpoint.ejected = True
             log.warning("model endpoint %s taken out after %d failures: %s",
-                        endpoint.url, failures, reason)
+                        endpoint.label, failures, reason)
             self._ensure_reprobe()
         return _Transient(reason)
 
@@ -384,7 +389,7 @@ class ModelServicePool:
                 if r.status_code == 200:
                     endpoint.ejected = False
                     endpoint.consecutive_failures = 0
-                    log.info("model endpoint %s is back", endpoint.url)
+                    log.info("model endpoint %s is back", endpoint.label)
 
     def _refresh_from_state_file(self) -> None:
         if self._state_file is None:

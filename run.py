@@ -30,6 +30,7 @@ from config import Config, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.state import ENDPOINTS_FILE
+from rollout.http import redact_urls
 from rollout.layout import RUN_LOCK_FILE
 from rollout.progress import Progress
 from rollout.types import SCORED_STATUSES
@@ -304,8 +305,8 @@ def run(cfg: Config) -> int:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
                 update={"endpoints": [url]})})
         actors, _ = start_actors(cfg, run_dir, model_state_dir, {
-            "run": cfg.run.name, "config": cfg.model_dump(mode="json"),
-            "versions": _versions(), "host": platform.node(), "command": sys.argv,
+            "run": cfg.run.name, "config": redact_urls(cfg.model_dump(mode="json")),
+            "versions": _versions(), "host": platform.node(), "command": redact_urls(sys.argv),
         })
         # Read results.jsonl after the storage repaired a line a crash may have cut.
         loader = TaskLoader(cfg.tasks, run_dir)

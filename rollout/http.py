@@ -7,12 +7,13 @@ from __future__ import annotations
 
 import functools
 import json
+import re
 import ssl
 import threading
 import time
 from typing import Any
 
-__all__ = ["ThreadedServer", "error_text", "ssl_context"]
+__all__ = ["ThreadedServer", "error_text", "redact_url", "redact_urls", "ssl_context"]
 
 
 @functools.cache
@@ -40,6 +41,27 @@ def error_text(response: Any, limit: int = 500) -> str:
             if body.get(key):
                 return str(body[key])[:limit]
     return json.dumps(body)[:limit]
+
+
+# scheme://user:password@host — the userinfo part is a credential.
+_USERINFO_RE = re.compile(r"(?P<scheme>[A-Za-z][A-Za-z0-9+.-]*://)[^/@\s]+@")
+
+
+def redact_url(text: str) -> str:
+    """``text`` with the credentials of every URL in it replaced by ``***`` (for run.json,
+    records and logs; the requests themselves use the real URL)."""
+    return _USERINFO_RE.sub(r"\g<scheme>***@", text)
+
+
+def redact_urls(value: Any) -> Any:
+    """``redact_url`` over every string of a JSON-like value (a config dump, argv)."""
+    if isinstance(value, str):
+        return redact_url(value)
+    if isinstance(value, dict):
+        return {k: redact_urls(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [redact_urls(v) for v in value]
+    return value
 
 
 class ThreadedServer:

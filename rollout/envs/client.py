@@ -33,7 +33,7 @@ from rollout.aio import backoff_s
 from rollout.envs import setup_steps
 from rollout.envs.contract import SPECIAL_ACTIONS, WAIT, StepResult
 from rollout.errors import DesktopError
-from rollout.http import error_text, ssl_context
+from rollout.http import error_text, redact_url, ssl_context
 from rollout.screenshot import Screenshot
 
 __all__ = ["RemoteDesktopEnv", "close_shared_client", "lease_client", "shared_client"]
@@ -119,7 +119,7 @@ class RemoteDesktopEnv:
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.cfg = cfg
-        self.name = name or self.base_url
+        self.name = name or redact_url(self.base_url)  # errors and logs show the name
         self._client = client
         self._owns_client = False
         self._python = python

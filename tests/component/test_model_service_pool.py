@@ -70,6 +70,26 @@ async def test_generation_fields_and_request_body(servers):
     assert body["logprobs"] is True and body["return_token_ids"] is True
 
 
+async def test_credentials_in_an_endpoint_url_are_sent_but_never_recorded(servers):
+    """Review L8: ``user:pass@`` in a URL authenticates the request (basic auth) and is
+    redacted from what is recorded: the generation's endpoint, statistics, errors."""
+    (srv,) = servers(1)
+    secret_url = srv.url.replace("http://", "http://alice:s3cret@")
+    pool = ModelServicePool(model_cfg([secret_url]))
+    try:
+        gen = await pool.generate(MESSAGES, "s1")
+        srv.faults.append(400)
+        with pytest.raises(ModelRequestError) as refused:
+            await pool.generate(MESSAGES, "s1")
+        stats = pool.stats()
+    finally:
+        await pool.close()
+    assert srv.headers[0]["authorization"].startswith("Basic ")
+    redacted = srv.url.replace("http://", "http://***@")
+    assert gen.endpoint == redacted and stats["endpoints"][0]["url"] == redacted
+    assert "s3cret" not in str(refused.value) and "s3cret" not in repr(stats)
+
+
 async def test_sticky_sessions_stay_and_spread(servers):
     srvs = servers(3)
     pool = ModelServicePool(model_cfg([s.url for s in srvs]))

@@ -60,3 +60,16 @@ def test_jsonl_lines_and_a_cut_tail(tmp_path: Path):
     path.write_text('{"a": 1}\n{"cut')
     assert repair_jsonl_tail(path) == len('{"cut') and path.read_text() == '{"a": 1}\n'
     assert repair_jsonl_tail(tmp_path / "missing.jsonl") == 0
+
+
+def test_credentials_in_urls_are_redacted_wherever_they_appear():
+    from rollout.http import redact_url, redact_urls
+
+    assert redact_url("http://u:p@host:8000/v1") == "http://***@host:8000/v1"
+    assert redact_url("see https://token@h/x and http://h/y") == "see https://***@h/x and http://h/y"
+    assert redact_url("mail user@example.com, http://plain:80") == \
+        "mail user@example.com, http://plain:80"
+    dump = {"model": {"endpoints": ["http://a:b@m:1"]}, "argv": ["--set", "x=http://k@d:5"],
+            "n": 3}
+    assert redact_urls(dump) == {"model": {"endpoints": ["http://***@m:1"]},
+                                 "argv": ["--set", "x=http://***@d:5"], "n": 3}

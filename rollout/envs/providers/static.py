@@ -7,6 +7,7 @@ from config import DesktopsConfig
 from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
 from rollout.errors import DesktopError
+from rollout.http import redact_url
 
 __all__ = ["StaticProvider"]
 
@@ -32,7 +33,7 @@ class StaticProvider(DesktopProvider):
             raise DesktopError(f"desktops.static.urls has {len(urls)} URLs; no desktop #{index}")
         desktop = Desktop(id=f"static-{index}", url=urls[index].rstrip("/"))
         if not await self.health(desktop):
-            raise DesktopError(f"static desktop {desktop.url} does not answer")
+            raise DesktopError(f"static desktop {redact_url(desktop.url)} does not answer")
         return desktop
 
     async def reset(self, desktop: Desktop) -> None:
