@@ -8,6 +8,7 @@ import abc
 import asyncio
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import random
@@ -84,9 +85,10 @@ class Endpoint:
     ejected: bool = False
     last_error: str | None = None
 
-    @property
+    @functools.cached_property
     def label(self) -> str:
-        """The URL as records, statistics and logs show it (credentials redacted)."""
+        """The URL as records, statistics and logs show it (credentials redacted); made once,
+        not on every generation (``url`` never changes)."""
         return redact_url(self.url)
 
     def snapshot(self) -> dict[str, Any]:

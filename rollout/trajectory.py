@@ -12,7 +12,7 @@ from model_service_pool import Generation
 from rollout.screenshot import Screenshot
 from ui_tars_utils import Action, ParsedResponse
 
-__all__ = ["ScreenshotFiles", "action_dict", "messages_for_disk", "step_record"]
+__all__ = ["ScreenshotFiles", "action_dict", "step_record"]
 
 
 def _timestamp() -> str:
@@ -82,23 +82,18 @@ class ScreenshotFiles:
 
     def messages_for_disk(self, messages: list[dict[str, Any]] | None
                           ) -> list[dict[str, Any]] | None:
-        return messages_for_disk(messages, self._files)
-
-
-def messages_for_disk(messages: list[dict[str, Any]] | None, files: dict[int, str]
-                      ) -> list[dict[str, Any]] | None:
-    """``messages`` with each image replaced by the file it was saved under."""
-    if messages is None:
-        return None
-    out = []
-    for message in messages:
-        content = message["content"]
-        if isinstance(content, list):
-            content = [
-                {"type": "image_url", "image_url": {
-                    "url": files.get(id(part["image_url"]["url"]), "<not saved>")}}
-                if part.get("type") == "image_url" else part
-                for part in content
-            ]
-        out.append({"role": message["role"], "content": content})
-    return out
+        """``messages`` with each image replaced by the file it was saved under."""
+        if messages is None:
+            return None
+        out = []
+        for message in messages:
+            content = message["content"]
+            if isinstance(content, list):
+                content = [
+                    {"type": "image_url", "image_url": {
+                        "url": self._files.get(id(part["image_url"]["url"]), "<not saved>")}}
+                    if part.get("type") == "image_url" else part
+                    for part in content
+                ]
+            out.append({"role": message["role"], "content": content})
+        return out

@@ -9,7 +9,7 @@ import struct
 from typing import Any
 
 from rollout.envs.contract import DONE, FAIL, WAIT, DesktopEnv, DesktopProbe, StepResult
-from rollout.errors import DesktopError
+from rollout.errors import DesktopError, UnsupportedSetupStep
 from rollout.screenshot import Screenshot
 
 __all__ = ["ConformanceError", "check_desktop_env"]
@@ -67,8 +67,8 @@ async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = N
       ``Screenshot.size``; ``observe`` returns the same size;
     - ``step`` of pyautogui code returns a ``StepResult`` that ran (``ok``) and of ``WAIT``,
       ``DONE`` and ``FAIL`` one that ran nothing on the desktop (no return code);
-    - errors are the project's: an unknown setup step raises ``DesktopError``'s subclass
-      ``UnsupportedSetupStep``/``TaskSetupError``, a missing file is ``None`` (not an
+    - errors are the project's: an unknown setup step raises ``UnsupportedSetupStep``
+      (a ``DesktopError``), a missing file is ``None`` (not an
       exception), and nothing raises a transport library's exception;
     - ``close`` returns, and a second ``close`` too.
 
@@ -105,7 +105,7 @@ async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = N
                    "not None")
             try:
                 await env.run_setup_step(_UNKNOWN_STEP, 0)
-            except DesktopError:
+            except UnsupportedSetupStep:
                 pass
             else:
                 raise ConformanceError("an unknown setup step type did not raise "

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, unavailable
 
 ROOT = REPO_ROOT
 DESIGN_CARD = ["agent_coordinator", "env_k8s", "model_service_pool", "prompts", "run",
@@ -177,7 +177,7 @@ def test_no_source_file_is_ignored_by_git():
         done = subprocess.run(["git", "check-ignore", "--no-index", *files], cwd=ROOT,
                               capture_output=True, text=True, timeout=60, check=False)
     except FileNotFoundError:
-        pytest.skip("git is not installed")
+        unavailable("git is not installed")
     if done.returncode == 128:
-        pytest.skip(f"not a git checkout: {done.stderr.strip()}")
+        unavailable(f"not a git checkout: {done.stderr.strip()}")
     assert done.stdout.split() == [], f"ignored by .gitignore: {done.stdout.split()}"
