@@ -5,6 +5,13 @@ actors, retries infrastructure failures, replaces dead runners, and keeps the ru
 ``schedule: rollout`` refills a slot the moment an episode ends; ``schedule: batch`` starts
 the next batch only when every episode of the current one (retries included) is done.
 Runs as an async Ray actor; its own work is bookkeeping only (no blocking I/O).
+
+Outages are waits, not results: an episode that ends because the model or the desktops are
+down (``EpisodeResult.outage``) goes back to the head of the queue without using an attempt,
+and that side's circuit breaker holds every new episode until a probe finds it back (capped,
+jittered backoff; the status line says what is waited for). An error no retry can fix
+(``fatal``: credentials, configuration, storage) stops dispatching and is handed to the driver,
+which ends the run with that one line; nothing of it is recorded, so a rerun resumes.
 """
 
 from __future__ import annotations
@@ -17,13 +24,15 @@ import logging
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from config import Config
-from rollout.aio import TaskSet, call
+from rollout.aio import TaskSet, backoff_s, call
+from rollout.errors import ConfigError
 from rollout.monitoring import Metrics
 from rollout.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
-from trajectory_runner import TrajectoryRunner
+from trajectory_runner import TrajectoryRunner, episode_deadline_s
 
 __all__ = ["AgentCoordinator"]
 
@@ -37,6 +46,31 @@ _STATS_INTERVAL_S = 1.0
 _STATS_TIMEOUT_S = 5.0
 # Extra concurrent calls a runner accepts beyond its episodes (stats, cancel).
 _RUNNER_SPARE_CALLS = 16
+# Calls to the storage and the pool that should answer at once.
+_ACTOR_CALL_TIMEOUT_S = 60.0
+# How long a runner that is unreachable (not dead) is given to answer again before it is
+# declared dead, killed, and its episodes run elsewhere.
+_UNREACHABLE_GRACE_S = 30.0
+# Beyond an episode's own deadlines, how long the coordinator waits for its runner to answer.
+_RUNNER_WATCHDOG_MARGIN_S = 60.0
+
+
+@dataclass
+class _Breaker:
+    """One side of the service (the model endpoints, the desktops) seen from dispatching:
+    closed while it serves; open from the first outage until a probe finds it back."""
+
+    side: str
+    label: str                      # "model endpoints", "desktops"
+    open_since: float | None = None
+    status: str = ""                # the probe's figures, e.g. "0 live, 1 draining, 0 down"
+    outages: int = 0
+    waited_s: float = 0.0
+    closed_at: float = 0.0          # when it last came back
+
+    def line(self, now: float) -> str:
+        assert self.open_since is not None
+        return f"waiting for {self.label}: {self.status}, {now - self.open_since:.0f} s"
 
 
 @dataclass
@@ -86,6 +120,11 @@ class AgentCoordinator:
         self._sample: dict[str, Any] = {}
         self._step_history: deque[tuple[float, int]] = deque([(time.time(), 0)])
         self._pool_stats: dict[str, Any] = {}
+        self._breakers = {"model": _Breaker("model", "model endpoints"),
+                          "desktop": _Breaker("desktop", "desktops")}
+        self._model_probe: Any = None     # a ModelServicePool used for health probes only
+        self._fatal: str | None = None    # why the run must stop; handed to the driver
+        self.runner_factory: Any = None   # in-process runners (tests): cfg, pool, ... -> runner
 
     # ----------------------------------------------------------------- public surface
 
@@ -93,6 +132,7 @@ class AgentCoordinator:
         """Start the scheduling and statistics loops (idempotent)."""
         if self._wake is not None:
             return
+        self._check_runners_fit()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()
@@ -127,6 +167,11 @@ class AgentCoordinator:
             "runners_replaced": self.counters["runners_died"],
             "success_rate": self._success_rate(),
             "draining": self._draining,
+            "waiting": "; ".join(b.line(time.time()) for b in self._breakers.values()
+                                 if b.open_since is not None) or None,
+            "outages": {b.side: {"count": b.outages, "waited_s": round(b.waited_s, 1)}
+                        for b in self._breakers.values()},
+            "fatal": self._fatal,
         }
 
     async def drain(self, cancel: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
@@ -174,6 +219,8 @@ class AgentCoordinator:
         """Stop the loops and the runners (after ``drain``). Returns final statistics."""
         await self._refresh_stats(write=True)
         await self._tasks.cancel_all()
+        if self._model_probe is not None:
+            await self._model_probe.close()
         runners = [r for r in self._runners if r.alive]
         await asyncio.gather(*(call(r.handle, "close") for r in runners),
                              return_exceptions=True)
@@ -206,8 +253,10 @@ class AgentCoordinator:
 
     def _next(self) -> tuple[EpisodeSpec, list[str]] | None:
         """The episode to start now, if any (schedule, slot limit, draining)."""
-        if self._draining or not self._queue:
+        if self._draining or not self._queue or self._fatal is not None:
             return None
+        if any(b.open_since is not None for b in self._breakers.values()):
+            return None  # a side is down: hold everything until its probe finds it back
         limit = self.cfg.coordinator.max_concurrent_episodes
         if len(self._in_flight) >= limit:
             return None
@@ -255,7 +304,7 @@ class AgentCoordinator:
                 max_restarts=0,
             ).remote(*args)
         else:
-            handle = TrajectoryRunner(*args)
+            handle = (self.runner_factory or TrajectoryRunner)(*args)
         runner = _Runner(runner_id, handle)
         self._runners.append(runner)
         self.counters["runners_started"] += 1
@@ -264,12 +313,22 @@ class AgentCoordinator:
     async def _run(self, spec: EpisodeSpec, avoid: list[str], runner: _Runner) -> None:
         try:
             try:
-                result: EpisodeResult = await call(runner.handle, "run_episode", spec, avoid)
+                # The runner ends its own episodes at their deadlines; past those and a
+                # margin, the runner itself is stuck (a frozen loop, a pending actor).
+                result: EpisodeResult = await asyncio.wait_for(
+                    call(runner.handle, "run_episode", spec, avoid),
+                    episode_deadline_s(self.cfg) + _RUNNER_WATCHDOG_MARGIN_S)
             except asyncio.CancelledError:
                 raise
             except Exception as exc:
                 result = await self._runner_failed(runner, spec, exc)
             await self._handle_result(spec, result)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a bug of ours: never silent, and the run must not go on
+            log.exception("episode %s: handling its result failed", spec.episode_id)
+            self._stop(f"the coordinator failed on episode {spec.episode_id}: "
+                       f"{type(exc).__name__}: {exc}")
         finally:
             runner.active.discard(spec.episode_id)
             self._in_flight.pop(spec.episode_id, None)
@@ -277,24 +336,73 @@ class AgentCoordinator:
 
     async def _runner_failed(self, runner: _Runner, spec: EpisodeSpec,
                              exc: Exception) -> EpisodeResult:
-        from ray.exceptions import RayActorError
+        from ray.exceptions import ActorUnavailableError, RayActorError
 
-        if isinstance(exc, RayActorError):
-            if runner.alive:
-                runner.alive = False
-                self.counters["runners_died"] += 1
-                self._dead_runner_steps += int(runner.last_stats.get("steps", 0))
-                log.warning("runner %s died (%s); its episodes are requeued", runner.id,
-                            type(exc).__name__)
-                # Its desktops were leased to episodes that no longer run: give them back
-                # (the pool resets them before anyone else gets them).
-                with contextlib.suppress(Exception):
-                    await call(self.desktop_pool, "release_owned", f"{runner.id}/", True)
-            return infra_result(spec, f"runner {runner.id} died: {type(exc).__name__}",
-                                runner=runner.id)
+        if isinstance(exc, ActorUnavailableError):
+            # Unreachable is not dead: the episode may still run there. Ask for its result
+            # once the runner answers again; only a runner that stays silent is dead.
+            result = await self._result_from_unreachable(runner, spec)
+            if result is not None:
+                return result
+        if isinstance(exc, RayActorError | TimeoutError):
+            why = ("did not answer within its episode deadline" if isinstance(exc, TimeoutError)
+                   else type(exc).__name__)
+            await self._declare_dead(runner, why)
+            return infra_result(spec, f"runner {runner.id} died: {why}", runner=runner.id)
         log.error("episode %s: runner call failed: %r", spec.episode_id, exc)
         return infra_result(spec, f"runner call failed: {type(exc).__name__}: {exc}",
                             runner=runner.id)
+
+    async def _result_from_unreachable(self, runner: _Runner, spec: EpisodeSpec
+                                       ) -> EpisodeResult | None:
+        """The episode's result from a runner that was unreachable for a moment, or None
+        when it stays unreachable for ``_UNREACHABLE_GRACE_S`` (then it is declared dead).
+        A runner that answers but never got the episode gives it back as an outage-like
+        requeue (no attempt used, not run twice)."""
+        from ray.exceptions import ActorUnavailableError
+
+        deadline = time.monotonic() + _UNREACHABLE_GRACE_S
+        attempt = 0
+        while time.monotonic() < deadline:
+            try:
+                result = await asyncio.wait_for(
+                    call(runner.handle, "await_episode", spec.episode_id),
+                    episode_deadline_s(self.cfg) + _RUNNER_WATCHDOG_MARGIN_S)
+            except ActorUnavailableError:
+                attempt += 1
+                await asyncio.sleep(max(0.0, min(deadline - time.monotonic(),
+                                                 backoff_s(attempt, 0.5, 5.0))))
+                continue
+            except Exception:  # dead, or stuck: the caller declares it dead
+                return None
+            self.counters["runner_unreachable_recovered"] += 1
+            if result is None:
+                return dataclasses.replace(
+                    infra_result(spec, f"runner {runner.id} never got the episode",
+                                 runner=runner.id), outage="runner")
+            return result
+        return None
+
+    async def _declare_dead(self, runner: _Runner, why: str) -> None:
+        """Kill the runner (so it can no longer drive a desktop), then give its desktops
+        back; the pool refuses its leases still in transit."""
+        if not runner.alive:
+            return
+        runner.alive = False
+        self._runners.remove(runner)  # dead runners are not kept (a week-long run)
+        self.counters["runners_died"] += 1
+        self._dead_runner_steps += int(runner.last_stats.get("steps", 0))
+        log.warning("runner %s is dead (%s); its episodes are requeued", runner.id, why)
+        if self.use_ray:
+            import ray
+
+            with contextlib.suppress(Exception):
+                ray.kill(runner.handle, no_restart=True)
+        try:
+            await asyncio.wait_for(call(self.desktop_pool, "release_owned", f"{runner.id}/",
+                                        True), _ACTOR_CALL_TIMEOUT_S)
+        except Exception as exc:  # the pool reclaims them at lease_max_s at the latest
+            log.error("returning the desktops of runner %s failed: %s", runner.id, exc)
 
     async def _handle_result(self, spec: EpisodeSpec, result: EpisodeResult) -> None:
         cfg = self.cfg.coordinator
@@ -304,24 +412,130 @@ class AgentCoordinator:
             self.counters["cancelled"] += 1
             self._batch.discard(spec.episode_id)
             return
+        if result.status == Status.INFRA_ERROR and result.fatal:
+            # No retry can fix it: stop, record nothing, let a rerun resume the episode.
+            self.counters["fatal"] += 1
+            self._queue.appendleft((spec, list(avoid_of(result))))
+            self._stop(result.error or "a fatal error")
+            return
+        if result.status == Status.INFRA_ERROR and result.outage:
+            # A side of the service is down: a wait, not a result and not an attempt.
+            self.counters["outage_requeues"] += 1
+            self._queue.appendleft((spec, list(avoid_of(result))))
+            breaker = self._breakers.get(result.outage)
+            # An episode that began before the side came back saw the outage that ended.
+            if breaker is not None and result.started_at >= breaker.closed_at:
+                self._trip(result.outage, result.error or "")
+            return
         if (result.status == Status.INFRA_ERROR and result.retryable
                 and spec.attempt < cfg.max_retries):
             self.counters["retries"] += 1
             self._metrics.retry()
             log.info("episode %s attempt %d: %s; retrying", spec.episode_id, spec.attempt,
                      result.error)
-            tried = list(dict.fromkeys([*result.desktops_tried]))
-            self._queue.appendleft((dataclasses.replace(spec, attempt=spec.attempt + 1), tried))
+            self._queue.appendleft((dataclasses.replace(spec, attempt=spec.attempt + 1),
+                                    list(avoid_of(result))))
             return
         record = result.record()
+        # The durable write first: bookkeeping that fails after it loses nothing.
+        try:
+            await asyncio.wait_for(call(self.storage, "record_result", record),
+                                   _ACTOR_CALL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # Not recorded: the episode is not in results.jsonl, so a rerun runs it again.
+            self._stop(f"storage: cannot record episode {spec.episode_id}: {_cause(exc)}")
+            return
         self._batch.discard(spec.episode_id)
+        self._finished.append(record)
         self.counters[f"status_{result.status}"] += 1
         if result.status in SCORED_STATUSES and result.reward is not None:
             self._rewards_sum += result.reward
             self._rewards_n += 1
         self._metrics.episode(result.status, spec.domain)
-        await call(self.storage, "record_result", record)
-        self._finished.append(record)
+
+    def _stop(self, why: str) -> None:
+        """Dispatch nothing more; the driver ends the run with ``why``."""
+        if self._fatal is None:
+            self._fatal = why
+            log.error("stopping the run: %s", why)
+        self._draining = True
+        self._changed()
+
+    # ----------------------------------------------------------------- outages
+
+    def _trip(self, side: str, reason: str) -> None:
+        """``side`` is down: hold new episodes until a probe finds it back."""
+        breaker = self._breakers[side]
+        if breaker.open_since is not None:
+            return
+        breaker.open_since = time.time()
+        breaker.outages += 1
+        breaker.status = "checking"
+        log.warning("%s down (%s): holding new episodes until they are back", breaker.label,
+                    reason)
+        self._spawn(self._recover(breaker))
+
+    async def _recover(self, breaker: _Breaker) -> None:
+        cfg = self.cfg.coordinator
+        checks = 0
+        while True:
+            if checks:  # the first check at once: the status line shows figures, not a guess
+                await asyncio.sleep(backoff_s(checks, cfg.outage_backoff_initial_s,
+                                              cfg.outage_backoff_max_s))
+            checks += 1
+            try:
+                back, breaker.status = await self._probe(breaker.side)
+            except Exception as exc:  # a probe that fails says the side is still down
+                back, breaker.status = False, f"probe failed: {_cause(exc)}"
+            assert breaker.open_since is not None
+            down_s = time.time() - breaker.open_since
+            if back:
+                breaker.waited_s += down_s
+                breaker.open_since = None
+                breaker.closed_at = time.time()
+                log.warning("%s back after %.0f s (%s)", breaker.label, down_s, breaker.status)
+                self._changed()
+                return
+            if cfg.outage_give_up_s and down_s >= cfg.outage_give_up_s:
+                self._stop(f"{breaker.label} down for {down_s:.0f} s "
+                           f"(coordinator.outage_give_up_s): {breaker.status}")
+                return
+
+    async def _probe(self, side: str) -> tuple[bool, str]:
+        if side == "model":
+            if self._model_probe is None:
+                from model_service_pool import ModelServicePool
+
+                state = Path(self.model_state_dir) if self.model_state_dir else None
+                self._model_probe = ModelServicePool(self.cfg.model, state)
+            status = await asyncio.wait_for(self._model_probe.probe(), _STATS_TIMEOUT_S * 4)
+            return status.live > 0, str(status)
+        stats = await asyncio.wait_for(call(self.desktop_pool, "stats"), _STATS_TIMEOUT_S)
+        usable = sum(stats.get(k, 0) for k in ("free", "leased", "resetting"))
+        text = ", ".join(f"{stats.get(k, 0)} {k}" for k in ("free", "leased", "resetting",
+                                                            "quarantined", "starting"))
+        return usable > 0, text
+
+    def _check_runners_fit(self) -> None:
+        """Runners the cluster cannot schedule would stay pending with no error: say so at
+        start (K, episodes per runner and the CPU reservation decide how many are needed)."""
+        cfg = self.cfg.coordinator
+        if not self.use_ray or cfg.runner_num_cpus == 0:
+            return
+        import ray
+
+        runners = -(-cfg.max_concurrent_episodes // cfg.episodes_per_runner)
+        need = runners * cfg.runner_num_cpus
+        have = float(ray.cluster_resources().get("CPU", 0))
+        if need > have:
+            raise ConfigError(
+                f"coordinator: {runners} runners (max_concurrent_episodes "
+                f"{cfg.max_concurrent_episodes} / episodes_per_runner "
+                f"{cfg.episodes_per_runner}) reserve {need:g} CPUs "
+                f"(runner_num_cpus {cfg.runner_num_cpus:g}) but the cluster has {have:g}; "
+                "raise episodes_per_runner or lower runner_num_cpus")
 
     def _success_rate(self) -> float | None:
         return self._rewards_sum / self._rewards_n if self._rewards_n else None
@@ -357,6 +571,9 @@ class AgentCoordinator:
         for runner, stats in zip(runners, results[1:], strict=True):
             if stats is not None:
                 runner.last_stats = stats
+                if stats.get("model_waiting"):
+                    # Episodes already wait out a model outage: hold new ones from now.
+                    self._trip("model", stats.get("model_outage") or "no endpoint is live")
         steps = self._dead_runner_steps + sum(int(r.last_stats.get("steps", 0))
                                               for r in self._runners if r.alive)
         by_endpoint: Counter[str] = Counter()
@@ -388,6 +605,18 @@ class AgentCoordinator:
         self._metrics.sample(sample)
         if write:
             await call(self.storage, "write_metrics", sample)
+
+
+def avoid_of(result: EpisodeResult) -> list[str]:
+    """Desktops the next try of an episode should avoid: those its attempts ran on."""
+    return list(dict.fromkeys(result.desktops_tried))
+
+
+def _cause(exc: BaseException) -> str:
+    """The message of the error behind a Ray wrapper, on one line."""
+    cause = getattr(exc, "cause", None) or exc
+    lines = str(cause).strip().splitlines()
+    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
 
 def _step_split(stats: list[dict[str, Any]]) -> dict[str, float] | None:

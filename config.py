@@ -21,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rollout.errors import ConfigError
 
 __all__ = [
-    "Config", "CoordinatorConfig", "DesktopsConfig", "DynamicRolloutsConfig",
+    "LEASE_MARGIN_S", "Config", "CoordinatorConfig", "DesktopsConfig", "DynamicRolloutsConfig",
     "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig", "ModelPoolConfig",
     "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig", "SamplingConfig",
     "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "add_config_arguments",
@@ -31,6 +31,8 @@ __all__ = [
 PositiveInt = Annotated[int, Field(ge=1)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
+# What a lease covers beyond an episode's deadlines: the release, the last writes, a reset.
+LEASE_MARGIN_S = 60.0
 
 
 class _Section(BaseModel):
@@ -103,6 +105,9 @@ class TasksConfig(_Section):
     """0: one pass over the tasks; > 0: service mode, re-read the source this often."""
     dynamic_rollouts: DynamicRolloutsConfig = DynamicRolloutsConfig()
     """Optional adaptive rollout number."""
+    rerun_infra_errors: bool = True
+    """On a resumed run, rerun episodes whose results.jsonl line is ``infra_error`` (the new
+    line replaces the old one); false keeps them as final."""
 
 
 class SamplingConfig(_Section):
@@ -154,6 +159,11 @@ class ModelConfig(_Section):
     """First retry delay; doubles per retry, with full jitter."""
     backoff_max_s: NonNegFloat = 20.0
     """Cap of the retry delay."""
+    outage_wait_s: NonNegFloat = 300.0
+    """How long, in total, an episode waits for a model endpoint when none is live (all
+    down, draining for a reload, or restarting). Its deadline stops meanwhile and no
+    attempt is used up; past this it is requeued, and the coordinator holds new episodes
+    until an endpoint answers again."""
     routing: Literal["sticky_least_outstanding", "least_outstanding", "round_robin"] = (
         "sticky_least_outstanding"
     )
@@ -331,6 +341,13 @@ class CoordinatorConfig(_Section):
     """Retries of an episode after an infrastructure failure (never after an agent failure)."""
     runner_num_cpus: NonNegFloat = 0.25
     """Ray CPU reservation of one runner actor (they mostly wait on I/O)."""
+    outage_backoff_initial_s: PositiveFloat = 1.0
+    """While the model or the desktops are down, the first delay before checking again;
+    doubles per check, with full jitter."""
+    outage_backoff_max_s: PositiveFloat = 30.0
+    """Cap of that delay."""
+    outage_give_up_s: NonNegFloat = 0.0
+    """Stop the run (resumable, exit 1) when an outage lasts this long; 0 waits forever."""
 
 
 class RunnerConfig(_Section):
@@ -359,9 +376,10 @@ class RunnerConfig(_Section):
     prompt_note: str | None = None
     """Extra line in the prompt's Note section (e.g. where the sudo password comes from)."""
     episode_timeout_s: PositiveFloat = 1800.0
-    """Wall-clock deadline of one episode, evaluation included."""
+    """Wall-clock deadline of one episode's setup and steps (time waiting out a model
+    outage excluded); the evaluation has its own."""
     evaluation_timeout_s: PositiveFloat = 300.0
-    """Deadline of the final evaluation."""
+    """Deadline of the final evaluation (after the episode's deadline)."""
     save_screenshots: bool = True
     """Store each step's screenshot."""
 
@@ -374,7 +392,9 @@ class StorageConfig(_Section):
     save_messages: bool = True
     """Store the final request's chat messages (images as file references) per episode."""
     fsync: bool = False
-    """fsync each results.jsonl line (slower, survives power loss, not just crashes)."""
+    """fsync every file, append and rename (and the directories holding them) before an
+    episode's results.jsonl line counts as written: slower, survives power loss, not just
+    crashes."""
 
 
 class MonitoringConfig(_Section):
@@ -408,6 +428,16 @@ class Config(_Section):
             raise ValueError("model.scripted and model.endpoints exclude each other; set one")
         if self.desktops.provider == "static" and not self.desktops.static.urls:
             raise ValueError("desktops.provider is 'static' but desktops.static.urls is empty")
+        # A lease is reclaimed after lease_max_s; it must outlive everything an episode does
+        # while holding it, or a live episode's desktop is reset and lent to another one.
+        held_s = (self.runner.episode_timeout_s + self.model.outage_wait_s
+                  + self.runner.evaluation_timeout_s + LEASE_MARGIN_S)
+        if self.desktops.lease_max_s <= held_s:
+            raise ValueError(
+                f"desktops.lease_max_s ({self.desktops.lease_max_s:g}) must exceed "
+                f"runner.episode_timeout_s + model.outage_wait_s + "
+                f"runner.evaluation_timeout_s + {LEASE_MARGIN_S:g} s ({held_s:g}): a lease "
+                "reclaimed while its episode runs hands the desktop to a second episode")
         pool = self.model_pool
         dev_mode = pool.reload_in_place or pool.env.get("VLLM_SERVER_DEV_MODE", "0") not in (
             "", "0")

@@ -42,6 +42,7 @@ __all__ = [
     "Generation",
     "LeastOutstandingPolicy",
     "ModelServicePool",
+    "OutageStatus",
     "RequestBody",
     "RoundRobinPolicy",
     "RoutingPolicy",
@@ -53,6 +54,10 @@ log = logging.getLogger(__name__)
 
 _STICKY_SESSIONS_MAX = 100_000     # sessions remembered for stickiness (LRU beyond this)
 _STATE_CHECK_INTERVAL_S = 1.0      # how often the state file's mtime is looked at
+# While no endpoint is live, how often (at most) they are probed again: a reload or a restart
+# is noticed within this much of its end.
+_OUTAGE_PROBE_MAX_S = 2.0
+_OUTAGE_PROBE_INITIAL_S = 0.25
 
 
 @dataclass
@@ -172,7 +177,28 @@ def make_policy(cfg: ModelConfig) -> RoutingPolicy:
 
 
 class _Transient(Exception):
-    """A failure worth retrying elsewhere (connection, timeout, 5xx, 429, garbage reply)."""
+    """A failure worth retrying elsewhere (connection, timeout, 5xx, 429, garbage reply).
+    ``capacity``: the server was not there or had no room (connection refused, dropped
+    mid-request, 503, 429), a state of the service; otherwise the server took this request
+    and failed on it (500, read timeout, malformed reply), which may be the request's doing."""
+
+    def __init__(self, reason: str, *, capacity: bool) -> None:
+        super().__init__(reason)
+        self.capacity = capacity
+
+
+@dataclass(frozen=True)
+class OutageStatus:
+    """What routing sees while it waits for an endpoint: the status line's figures."""
+
+    live: int
+    draining: int
+    down: int
+    waiting: int        # generations of this process waiting for an endpoint
+    since_s: float      # how long this process has been waiting (0 when it is not)
+
+    def __str__(self) -> str:
+        return f"{self.live} live, {self.draining} draining, {self.down} down"
 
 
 class ModelServicePool:
@@ -214,8 +240,13 @@ class ModelServicePool:
         self._clients: dict[str, httpx2.AsyncClient] = {}  # endpoint URL -> its client
         self._closing: set[asyncio.Task[None]] = set()
         self._reprobe_task: asyncio.Task[None] | None = None
+        self._outage_watch: asyncio.Task[None] | None = None
+        self._live: asyncio.Event | None = None   # set while some endpoint is live
+        self._waiting_since: float | None = None
+        self.waiting = 0       # generations waiting for a live endpoint now
         self.requests = 0
         self.retries = 0
+        self.outage_waits = 0
 
     # ----------------------------------------------------------------- public surface
 
@@ -226,12 +257,17 @@ class ModelServicePool:
         sampling: SamplingConfig | None = None,
     ) -> Generation:
         """One chat completion. Transient failures are retried on another endpoint with
-        capped, fully jittered backoff; a 4xx raises ``ModelRequestError`` at once."""
+        capped, fully jittered backoff; a 4xx raises ``ModelRequestError`` at once.
+
+        ``ModelUnavailable`` with ``outage`` set means no endpoint was there to answer (none
+        live, or every attempt was refused or dropped): the caller waits with
+        ``wait_until_live`` instead of counting it against the episode."""
         body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling)
         content = RequestBody(body)  # serialised once, whatever the retries
         self.requests += 1
         tried: set[str] = set()
         last_error = "no attempt made"
+        capacity_only = True
         for attempt in range(self.cfg.retries + 1):
             if attempt:
                 self.retries += 1
@@ -239,15 +275,72 @@ class ModelServicePool:
                     attempt, self.cfg.backoff_initial_s, self.cfg.backoff_max_s, self._rng
                 ))
             endpoint = self._pick(session_id, avoid=tried)
+            if endpoint is None:
+                raise ModelUnavailable(f"no model endpoint is serving ({self.outage_status()})"
+                                       + (f"; last error: {last_error}" if attempt else ""),
+                                       outage=True)
             tried.add(endpoint.url)
             try:
                 return await self._send(endpoint, content, attempt + 1)
             except _Transient as exc:
                 last_error = f"{endpoint.label}: {exc}"
+                capacity_only = capacity_only and exc.capacity
                 log.warning("model request failed (attempt %d): %s", attempt + 1, last_error)
         raise ModelUnavailable(
-            f"no reply after {self.cfg.retries + 1} attempts; last error: {last_error}"
+            f"no reply after {self.cfg.retries + 1} attempts; last error: {last_error}",
+            outage=capacity_only,
         )
+
+    async def wait_until_live(self, timeout_s: float) -> bool:
+        """Wait (at most ``timeout_s``) until an endpoint is live again; True if one is.
+        One probe loop per process serves every waiting episode: endpoints are re-read from
+        the state file and their ``/health`` asked with capped jittered backoff, so a
+        hundred waiting episodes cost one probe per endpoint, not a hundred."""
+        if self._live is None:
+            self._live = asyncio.Event()
+        self.waiting += 1
+        self.outage_waits += 1
+        if self._waiting_since is None:
+            self._waiting_since = self._clock()
+        if self._outage_watch is None or self._outage_watch.done():
+            self._live.clear()
+            self._outage_watch = asyncio.get_running_loop().create_task(self._watch_outage())
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._live.wait()
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self.waiting -= 1
+            if not self.waiting:
+                self._waiting_since = None
+
+    async def probe(self) -> OutageStatus:
+        """Ask every endpoint that is not draining for ``/health`` now (the state file re-read
+        first); those answering 200 are routed to again, the others taken out."""
+        self._state_checked_at = float("-inf")
+        self._refresh_from_state_file()
+        candidates = [e for e in self._endpoints.values() if not e.draining]
+        answers = await asyncio.gather(*(self._healthy(e) for e in candidates))
+        for endpoint, ok in zip(candidates, answers, strict=True):
+            if ok:
+                if endpoint.ejected:
+                    log.info("model endpoint %s is back", endpoint.label)
+                endpoint.ejected = False
+                endpoint.consecutive_failures = 0
+            elif not endpoint.ejected:
+                endpoint.ejected = True
+                endpoint.last_error = "health check failed"
+        return self.outage_status()
+
+    def outage_status(self) -> OutageStatus:
+        endpoints = list(self._endpoints.values())
+        draining = sum(e.draining for e in endpoints)
+        down = sum(e.ejected and not e.draining for e in endpoints)
+        since = self._clock() - self._waiting_since if self._waiting_since is not None else 0.0
+        return OutageStatus(len(endpoints) - draining - down, draining, down, self.waiting,
+                            round(since, 1))
 
     def end_session(self, session_id: str) -> None:
         """Forget an episode's sticky endpoint (call when the episode ends)."""
@@ -257,6 +350,7 @@ class ModelServicePool:
         out: dict[str, Any] = {
             "requests": self.requests,
             "retries": self.retries,
+            "outage_waits": self.outage_waits,
             "endpoints": [e.snapshot() for e in self._endpoints.values()],
         }
         if isinstance(self.policy, StickyLeastOutstandingPolicy):
@@ -269,11 +363,12 @@ class ModelServicePool:
         return sum(e.outstanding for e in self._endpoints.values())
 
     async def close(self) -> None:
-        if self._reprobe_task is not None:
-            self._reprobe_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._reprobe_task
-            self._reprobe_task = None
+        for task in (self._reprobe_task, self._outage_watch):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+        self._reprobe_task = self._outage_watch = None
         clients, self._clients = list(self._clients.values()), {}
         await asyncio.gather(*(c.aclose() for c in clients), *self._closing,
                              return_exceptions=True)
@@ -300,19 +395,36 @@ class ModelServicePool:
             self._clients[endpoint.url] = client
         return client
 
-    def _pick(self, session_id: str | None, avoid: set[str]) -> Endpoint:
+    def _pick(self, session_id: str | None, avoid: set[str]) -> Endpoint | None:
+        """The endpoint for the next attempt, or None when none is live (all draining,
+        unhealthy, taken out after failures, or absent): an outage, waited out by the caller
+        while ``wait_until_live`` probes them back."""
         self._refresh_from_state_file()
         live = [e for e in self._endpoints.values() if not e.draining and not e.ejected]
         if not live:
-            # Everything is ejected: trying an ejected endpoint beats failing outright.
-            live = [e for e in self._endpoints.values() if not e.draining]
-        if not live:
-            raise ModelUnavailable(
-                "no model endpoint is serving"
-                + (f" (state file {self._state_file})" if self._state_file else "")
-            )
+            return None
         fresh = [e for e in live if e.url not in avoid]
         return self.policy.choose(fresh or live, session_id)
+
+    async def _healthy(self, endpoint: Endpoint) -> bool:
+        try:
+            r = await self._http(endpoint).get(endpoint.url + HEALTH_PATH,
+                                               timeout=self.cfg.connect_timeout_s)
+        except httpx2.HTTPError:
+            return False
+        return r.status_code == 200
+
+    async def _watch_outage(self) -> None:
+        """Probe until an endpoint is live, then wake every waiter."""
+        assert self._live is not None
+        checks = 0
+        while True:
+            if (await self.probe()).live:
+                self._live.set()
+                return
+            checks += 1
+            await asyncio.sleep(backoff_s(checks, _OUTAGE_PROBE_INITIAL_S, _OUTAGE_PROBE_MAX_S,
+                                          self._rng))
 
     async def _send(self, endpoint: Endpoint, content: RequestBody, attempt: int) -> Generation:
         endpoint.outstanding += 1
@@ -325,13 +437,19 @@ class ModelServicePool:
                     headers={"Content-Type": "application/json",
                              "Content-Length": str(content.length)},
                 )
+            except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout,
+                    httpx2.RemoteProtocolError) as exc:
+                # Not there, or gone mid-request (a replica stopped or killed).
+                raise self._failed(endpoint, f"{type(exc).__name__}: {exc}",
+                                   capacity=True) from exc
             except httpx2.TimeoutException as exc:
                 raise self._failed(endpoint, f"timed out ({type(exc).__name__})") from exc
             except httpx2.TransportError as exc:
                 raise self._failed(endpoint, f"{type(exc).__name__}: {exc}") from exc
             if response.status_code >= 500 or response.status_code == 429:
                 raise self._failed(
-                    endpoint, f"HTTP {response.status_code}: {error_text(response)}"
+                    endpoint, f"HTTP {response.status_code}: {error_text(response)}",
+                    capacity=response.status_code in (429, 503),
                 )
             if response.status_code >= 400:
                 # The request itself is wrong (too long, images to a text model ...).
@@ -362,7 +480,8 @@ class ModelServicePool:
         finally:
             endpoint.outstanding -= 1
 
-    def _failed(self, endpoint: Endpoint, reason: str) -> _Transient:
+    def _failed(self, endpoint: Endpoint, reason: str, *, capacity: bool = False
+                ) -> _Transient:
         endpoint.consecutive_failures += 1
         endpoint.last_error = reason
         failures = endpoint.consecutive_failures
@@ -371,7 +490,7 @@ class ModelServicePool:
             log.warning("model endpoint %s taken out after %d failures: %s",
                         endpoint.label, failures, reason)
             self._ensure_reprobe()
-        return _Transient(reason)
+        return _Transient(reason, capacity=capacity)
 
     def _ensure_reprobe(self) -> None:
         if self._reprobe_task is None or self._reprobe_task.done():
@@ -382,13 +501,7 @@ class ModelServicePool:
         while any(e.ejected for e in self._endpoints.values()):
             await asyncio.sleep(self.cfg.reprobe_interval_s)
             for endpoint in [e for e in self._endpoints.values() if e.ejected]:
-                try:
-                    r = await self._http(endpoint).get(
-                        endpoint.url + HEALTH_PATH, timeout=self.cfg.connect_timeout_s
-                    )
-                except httpx2.HTTPError:
-                    continue
-                if r.status_code == 200:
+                if await self._healthy(endpoint):
                     endpoint.ejected = False
                     endpoint.consecutive_failures = 0
                     log.info("model endpoint %s is back", endpoint.label)

@@ -268,8 +268,11 @@ def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> 
             ray.get(method.remote(), timeout=timeout_s)
         except Exception as exc:  # the run's files must still be closed
             log.error("%s failed: %s", what, _cause(exc))
-    ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
-    ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)
+    try:
+        ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
+        ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)
+    except Exception as exc:  # a dead storage or a full disk: results.jsonl is as it was
+        log.error("closing the run's files failed: %s", _cause(exc))
 
 
 def run(cfg: Config) -> int:
@@ -311,10 +314,11 @@ def run(cfg: Config) -> int:
         # Read results.jsonl after the storage repaired a line a crash may have cut.
         loader = TaskLoader(cfg.tasks, run_dir)
         summary = None
+        fatal: str | None = None
         try:
-            status = _main_loop(cfg, loader, actors.coordinator, interrupts)
+            status, fatal = _main_loop(cfg, loader, actors.coordinator, interrupts)
         finally:
-            if status != "failed":
+            if status not in ("failed", "stopped"):
                 summary = print_summary(run_dir)
             stop_actors(actors, status, summary)
     problems = loader.problems
@@ -322,11 +326,16 @@ def run(cfg: Config) -> int:
         print(f"{len(problems)} task(s) could not be loaded:", file=sys.stderr)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
+    if fatal is not None:
+        raise FatalSetupError(f"the run stopped: {fatal}; finished episodes are saved, "
+                              "rerun the same command to resume")
     return EXIT_OK if status == "finished" else EXIT_INTERRUPTED
 
 
 def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _Interrupts
-               ) -> str:
+               ) -> tuple[str, str | None]:
+    """Feed and watch the coordinator; returns the run's status and, when the coordinator
+    stopped it (an error no retry fixes), why."""
     import ray
 
     service = cfg.tasks.poll_interval_s > 0
@@ -357,21 +366,27 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                                      record.get("reward") if record.get("status") in
                                      SCORED_STATUSES else None)
             stats = out["stats"]
+            fatal = stats.get("fatal")
+            if fatal and not drained:
+                drained = True  # the coordinator dispatches nothing more; let running ones end
             total = loader.total_known()
             before = done_before or 0
             if progress is None:
                 progress = Progress(cfg.monitoring.progress_bar, total, before)
-            note = "draining" if drained and not cancelled else ("cancelling" if cancelled
-                                                                 else "")
+            note = ("stopping: " + fatal if fatal else
+                    "draining" if drained and not cancelled else
+                    "cancelling" if cancelled else stats.get("waiting") or "")
             progress.update(before + done, total, stats, note)
             idle = stats["episodes_in_flight"] == 0 and (
                 drained or stats["episodes_queued"] == 0)
+            if idle and fatal:
+                return "stopped", fatal
             if idle and drained:
-                return "interrupted"
+                return "interrupted", None
             # Everything was submitted at the first poll (retries wait in the coordinator's
             # queue), so once nothing is queued or running the run is complete.
             if idle and not service and done_before is not None and not drained:
-                return "finished"
+                return "finished", None
             time.sleep(_POLL_INTERVAL_S)
     finally:
         if progress is not None:

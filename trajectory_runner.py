@@ -16,11 +16,13 @@ import contextlib
 import logging
 import os
 import time
-from collections.abc import Callable
+import uuid
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
-from config import Config, DesktopsConfig, RunnerConfig
+from config import LEASE_MARGIN_S, Config, DesktopsConfig, RunnerConfig
 from env_k8s import DONE, FAIL, WAIT, DesktopEnv, Lease, RemoteDesktopEnv
 from model_service_pool import Generation, ModelServicePool
 from prompts import Turn, build_messages
@@ -28,9 +30,11 @@ from rollout.aio import TaskSet, call
 from rollout.errors import (
     ActionParseError,
     DesktopError,
-    InfraError,
+    DesktopUnavailable,
     ModelRequestError,
+    ModelUnavailable,
     RolloutError,
+    StorageError,
     UnsupportedEvaluator,
 )
 from rollout.evaluation import evaluate
@@ -48,9 +52,33 @@ from rollout.types import (
 from storage_actor import EpisodeWriter
 from ui_tars_utils import ParsedResponse, parse_response, split_terminal, to_pyautogui
 
-__all__ = ["Decider", "EnvFactory", "TrajectoryRunner", "episode_error", "open_leased_desktop"]
+__all__ = ["Decider", "EnvFactory", "EpisodeError", "TrajectoryRunner", "episode_deadline_s",
+           "episode_error", "open_leased_desktop"]
 
 log = logging.getLogger(__name__)
+
+# Deadline of a call to another actor that should answer at once (a release, a storage
+# write's enqueue): a hung pool or storage must not hold an episode's slot forever.
+_ACTOR_CALL_TIMEOUT_S = 60.0
+# Finished episodes whose results a runner keeps for a coordinator that lost its call.
+_RECENT_RESULTS = 1024
+
+
+def episode_deadline_s(cfg: Config) -> float:
+    """The longest an episode can take when every part of it uses its whole budget: the
+    lease wait, setup and steps, a model outage waited out, the evaluation, the finish. The
+    runner's watchdog ends an episode past it; the coordinator's, a runner that does not
+    answer past it."""
+    return (cfg.desktops.lease_timeout_s + cfg.runner.episode_timeout_s
+            + cfg.model.outage_wait_s + cfg.runner.evaluation_timeout_s + LEASE_MARGIN_S)
+
+
+async def within(awaitable: Awaitable[Any], timeout_s: float, what: str) -> Any:
+    """Await an actor call with a deadline; past it, ``TimeoutError`` naming the call."""
+    try:
+        return await asyncio.wait_for(awaitable, timeout_s)
+    except TimeoutError:
+        raise TimeoutError(f"{what} did not answer within {timeout_s:.0f}s") from None
 
 # Builds the environment of a leased desktop; the default speaks OSWorld's HTTP protocol.
 EnvFactory = Callable[[Lease, DesktopsConfig], DesktopEnv]
@@ -61,12 +89,23 @@ def open_leased_desktop(lease: Lease, cfg: DesktopsConfig) -> DesktopEnv:
     return RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
 
 
-def episode_error(exc: Exception, desktop: str | None) -> tuple[str, bool, bool]:
-    """(error text, retryable, desktop healthy) of an episode that raised ``exc``. Whether
-    another attempt may succeed and whether the desktop is suspect are properties of the
-    error's class; an error no layer translated is a bug of ours: recorded, never retried."""
+class EpisodeError(NamedTuple):
+    """How an episode that raised an error ends (see ``rollout.errors``)."""
+
+    text: str
+    retryable: bool
+    healthy: bool               # the desktop it held may be lent again without a check
+    outage: str | None = None   # "model"/"desktop": requeued without using an attempt
+    fatal: bool = False         # the run stops; the episode is not recorded
+
+
+def episode_error(exc: Exception, desktop: str | None) -> EpisodeError:
+    """How an episode that raised ``exc`` ends. Whether another attempt may succeed, whether
+    the desktop is suspect, whether a whole side of the service is down and whether the run
+    must stop are properties of the error's class; an error no layer translated is a bug of
+    ours: recorded, never retried."""
     if not isinstance(exc, RolloutError):
-        return f"{type(exc).__name__}: {exc}", False, True
+        return EpisodeError(f"{type(exc).__name__}: {exc}", False, True)
     if isinstance(exc, DesktopError):
         text = f"desktop {desktop or '(none leased)'}: {exc}"
     elif isinstance(exc, UnsupportedEvaluator):
@@ -75,7 +114,7 @@ def episode_error(exc: Exception, desktop: str | None) -> tuple[str, bool, bool]
         text = f"model rejected the request: {exc}"
     else:
         text = f"{type(exc).__name__}: {exc}"
-    return text, exc.retryable, not exc.blames_desktop
+    return EpisodeError(text, exc.retryable, not exc.blames_desktop, exc.outage, exc.fatal)
 
 
 class Decider:
@@ -109,10 +148,11 @@ class _EpisodeEnded(Exception):
     """Internal: the episode must stop now with this status (and optional error)."""
 
     def __init__(self, status: str, error: str | None = None, retryable: bool = False,
-                 healthy: bool = True):
+                 healthy: bool = True, fatal: bool = False):
         super().__init__(error or status)
         self.status, self.error, self.retryable = status, error, retryable
         self.healthy = healthy
+        self.fatal = fatal
 
 
 class _Episode:
@@ -138,10 +178,16 @@ class _Episode:
         self.desktop: str | None = None
         self.env: DesktopEnv | None = None
         self.timing = {"model_s": 0.0, "env_s": 0.0, "overhead_s": 0.0, "reset_s": 0.0,
-                       "evaluation_s": 0.0, "lease_wait_s": 0.0}
+                       "evaluation_s": 0.0, "lease_wait_s": 0.0, "outage_wait_s": 0.0}
         self.last_messages: list[dict[str, Any]] | None = None
         self.reset_done = False
         self.held_record: dict[str, Any] | None = None
+        # Unique per run of an attempt (an outage requeues the same attempt): a revoked
+        # owner (release_owned) never matches a later run's lease.
+        self.owner = f"{runner.runner_id}/{self.session_id}/{uuid.uuid4().hex[:12]}"
+        self.deadline: asyncio.Timeout | None = None   # of setup and steps, while they run
+        self.outage: str | None = None
+        self.fatal = False
 
     # ----------------------------------------------------------------- the loop
 
@@ -152,15 +198,14 @@ class _Episode:
         healthy = True
         try:
             waited = time.monotonic()
-            lease = await call(self.r.desktop_pool, "lease",
-                               f"{self.r.runner_id}/{self.session_id}",
-                               cfg.desktops.lease_timeout_s, self.avoid)
+            lease = await self._lease()
             self.timing["lease_wait_s"] = time.monotonic() - waited
             self.desktop = lease.desktop_id
             env = self.env = self.r.env_factory(lease, cfg.desktops)
-            await self.writer.begin(self.task)
+            await within(self.writer.begin(self.task), _ACTOR_CALL_TIMEOUT_S,
+                         "the storage (begin)")
             try:
-                async with asyncio.timeout(cfg.runner.episode_timeout_s):
+                async with asyncio.timeout(cfg.runner.episode_timeout_s) as self.deadline:
                     status = await self._act(env)
             except TimeoutError:
                 if not self.reset_done:
@@ -169,21 +214,23 @@ class _Episode:
                                         healthy=False) from None
                 status, error = Status.TIMEOUT, (
                     f"episode deadline of {cfg.runner.episode_timeout_s:.0f}s reached")
+            finally:
+                self.deadline = None
             reward = await self._evaluate(env)
             if status not in (Status.MAX_STEPS, Status.TIMEOUT):
                 status = Status.SUCCESS if reward >= SUCCESS_REWARD else Status.FAILURE
         except _EpisodeEnded as ended:
             status, error, retryable = ended.status, ended.error, ended.retryable
-            healthy = ended.healthy
+            healthy, self.fatal = ended.healthy, ended.fatal
         except asyncio.CancelledError:
             status, error = Status.CANCELLED, "cancelled"
             self._finish_in_background(lease, True, status, error, None)
             raise
         except Exception as exc:
-            if not isinstance(exc, InfraError | ModelRequestError):
+            if not isinstance(exc, RolloutError):
                 log.exception("episode %s failed unexpectedly", self.spec.episode_id)
             status = Status.INFRA_ERROR
-            error, retryable, healthy = episode_error(exc, self.desktop)
+            error, retryable, healthy, self.outage, self.fatal = episode_error(exc, self.desktop)
         if status == Status.INFRA_ERROR:
             reward = None
         # A cancel arriving while the episode is being finished must not cut its writes or
@@ -195,6 +242,18 @@ class _Episode:
         except asyncio.CancelledError:
             self.r.background.add(finish)
             raise
+
+    async def _lease(self) -> Lease:
+        """A desktop for this attempt. The pool's own deadline is the lease timeout; a pool
+        that does not answer well past it is a desktop outage too."""
+        timeout_s = self.cfg.desktops.lease_timeout_s
+        try:
+            return await asyncio.wait_for(
+                call(self.r.desktop_pool, "lease", self.owner, timeout_s, self.avoid),
+                timeout_s + _ACTOR_CALL_TIMEOUT_S)
+        except TimeoutError:
+            raise DesktopUnavailable(f"the desktop pool did not answer a lease within "
+                                     f"{timeout_s + _ACTOR_CALL_TIMEOUT_S:.0f}s") from None
 
     async def _act(self, env: DesktopEnv) -> str:
         """Setup, then steps until the agent ends; returns ``failure`` (to be scored) or
@@ -277,9 +336,17 @@ class _Episode:
         cfg = self.cfg
         model_s = 0.0
         for retry in range(cfg.runner.max_parse_retries + 1):
-            t0 = time.monotonic()
-            generation = await self.r.model.generate(messages, self.session_id)
-            model_s += time.monotonic() - t0
+            while True:
+                t0 = time.monotonic()
+                try:
+                    generation = await self.r.model.generate(messages, self.session_id)
+                    break
+                except ModelUnavailable as exc:
+                    if exc.outage is None:
+                        raise
+                    await self._wait_out_model_outage(exc)
+                finally:
+                    model_s += time.monotonic() - t0
             if generation.endpoint not in self.endpoints:
                 self.endpoints.append(generation.endpoint)
             self.model_version = generation.model_version or self.model_version
@@ -293,6 +360,32 @@ class _Episode:
                 log.info("episode %s: unparseable reply (%s), attempt %d", self.spec.episode_id,
                          exc, retry + 1)
         return generation, None, cfg.runner.max_parse_retries, model_s
+
+    async def _wait_out_model_outage(self, exc: ModelUnavailable) -> None:
+        """No model endpoint is live: wait for one with the episode's deadline stopped (an
+        outage is not the agent's time), up to ``model.outage_wait_s`` in all per episode.
+        Past that, ``exc`` ends the attempt as an outage: requeued, no attempt used."""
+        left = self.cfg.model.outage_wait_s - self.timing["outage_wait_s"]
+        if left <= 0:
+            raise exc
+        loop = asyncio.get_running_loop()
+        deadline = self.deadline
+        remaining = None
+        if deadline is not None and (when := deadline.when()) is not None:
+            remaining = when - loop.time()
+            deadline.reschedule(None)
+        log.info("episode %s waits for a model endpoint: %s", self.spec.episode_id, exc)
+        t0 = time.monotonic()
+        try:
+            back = await self.r.model.wait_until_live(left)
+        finally:
+            self.timing["outage_wait_s"] += time.monotonic() - t0
+            if deadline is not None and remaining is not None:
+                deadline.reschedule(loop.time() + remaining)
+        if not back:
+            raise ModelUnavailable(
+                f"no model endpoint for {self.timing['outage_wait_s']:.0f}s "
+                f"({self.r.model.outage_status()})", outage=True) from exc
 
     async def _evaluate(self, env: DesktopEnv) -> float:
         t0 = time.monotonic()
@@ -345,34 +438,55 @@ class _Episode:
             parse_failures=self.parse_failures,
             timing={k: round(v, 4) for k, v in self.timing.items()},
             runner=self.r.runner_id, node=self.r.node_id,
+            outage=self.outage if status == Status.INFRA_ERROR else None,
+            fatal=self.fatal and status == Status.INFRA_ERROR,
         )
 
     async def _finish(self, lease: Any, healthy: bool, status: str, error: str | None,
                       retryable: bool, reward: float | None) -> EpisodeResult:
-        result = self.result(status, error, retryable, reward)
         self.r.model.end_session(self.session_id)
         try:
             if lease is not None:
-                await call(self.r.desktop_pool, "release", lease.lease_id, healthy)
+                await within(call(self.r.desktop_pool, "release", lease.lease_id, healthy),
+                             _ACTOR_CALL_TIMEOUT_S, "the desktop pool (release)")
+            else:
+                # A lease granted after this episode stopped waiting for it (a cancel, a
+                # deadline, a call still in transit) must not stay lent to nobody: the pool
+                # releases what this owner holds and refuses it any later grant.
+                await within(call(self.r.desktop_pool, "release_owned", self.owner, True),
+                             _ACTOR_CALL_TIMEOUT_S, "the desktop pool (release_owned)")
+        except Exception as exc:  # the pool reclaims the lease at lease_max_s at the latest
+            log.error("episode %s: returning its desktop failed: %s", self.spec.episode_id, exc)
+        try:
             if self.desktop is not None:  # the episode's directory exists
                 if self.held_record is not None:
                     last, self.held_record = self.held_record, None
                     last.update(done=True, reward=reward)
-                    await self.writer.step(last)
-                await self.writer.finish(result.record(),
-                                         self.files.messages_for_disk(self.last_messages))
-                await self.writer.flush()
+                    await within(self.writer.step(last), _ACTOR_CALL_TIMEOUT_S, "the storage")
+                failed = await within(
+                    self.writer.finish(self.result(status, error, retryable, reward).record(),
+                                       self.files.messages_for_disk(self.last_messages)),
+                    _ACTOR_CALL_TIMEOUT_S, "the storage (finish)")
+                if failed:
+                    raise StorageError(failed)
+            if status == Status.CANCELLED:  # no result line will come: the storage forgets it
+                await within(call(self.r.storage, "forget_episode", self.spec.episode_id,
+                                  self.spec.attempt), _ACTOR_CALL_TIMEOUT_S, "the storage")
         except Exception as exc:
-            # The result itself must reach the coordinator; a storage or pool hiccup here is
-            # logged (the coordinator still records the result line).
-            log.error("episode %s: finishing failed: %s", self.spec.episode_id, exc)
+            # Files that were not written make the episode an infra error that stops the run
+            # (a full disk, a dead storage actor): never a result whose files are missing.
+            if status != Status.CANCELLED:
+                log.error("episode %s: its files were not written: %s", self.spec.episode_id,
+                          exc)
+                status, reward, retryable = Status.INFRA_ERROR, None, False
+                error, self.fatal = f"storage: {type(exc).__name__}: {exc}", True
         finally:
             # After the release (its call is sent before anything here can be cancelled).
             if self.env is not None:
                 env, self.env = self.env, None
                 with contextlib.suppress(Exception):  # closing a socket cannot fail it
                     await env.close()
-        return result
+        return self.result(status, error, retryable, reward)
 
     def _finish_in_background(self, lease: Any, healthy: bool, status: str,
                               error: str | None, reward: float | None) -> None:
@@ -407,6 +521,7 @@ class TrajectoryRunner:
         self._model: ModelServicePool | None = None
         self._metrics: Metrics | None = None
         self._episodes: dict[str, asyncio.Task[EpisodeResult]] = {}
+        self._recent: OrderedDict[str, EpisodeResult] = OrderedDict()
         self.background = TaskSet()
         self.counters = {"episodes": 0, "steps": 0, "model_s": 0.0, "env_s": 0.0,
                          "overhead_s": 0.0}
@@ -428,12 +543,23 @@ class TrajectoryRunner:
 
     async def run_episode(self, spec: EpisodeSpec, avoid: list[str] | None = None
                           ) -> EpisodeResult:
-        """Run one episode to its end; never raises for the episode's own failures."""
+        """Run one episode to its end; never raises for the episode's own failures. A
+        watchdog ends an episode that outlives every deadline it has (``episode_deadline_s``)
+        as a retryable infra error on a desktop that must be checked."""
         episode = _Episode(self, spec, list(avoid or []))
         task = asyncio.create_task(episode.run())
         self._episodes[spec.episode_id] = task
         try:
-            return await asyncio.shield(task)
+            result = await asyncio.wait_for(asyncio.shield(task), episode_deadline_s(self.cfg))
+        except TimeoutError:
+            log.error("episode %s outlived its deadlines; the watchdog ends it",
+                      spec.episode_id)
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+            result = episode.result(Status.INFRA_ERROR, "the episode outlived its deadlines "
+                                    f"({episode_deadline_s(self.cfg):.0f}s): ended by the "
+                                    "watchdog", True, None)
         except asyncio.CancelledError:
             if not task.done():
                 task.cancel()
@@ -443,6 +569,23 @@ class TrajectoryRunner:
         finally:
             self._episodes.pop(spec.episode_id, None)
             self.counters["episodes"] += 1
+        self._recent[spec.episode_id] = result
+        while len(self._recent) > _RECENT_RESULTS:
+            self._recent.popitem(last=False)
+        return result
+
+    async def await_episode(self, episode_id: str) -> EpisodeResult | None:
+        """The result of an episode this runner runs or ran lately (awaited if it still
+        runs), or None if it never got it: for a coordinator whose ``run_episode`` call was
+        cut by an unreachable runner, so the episode is neither lost nor run twice."""
+        task = self._episodes.get(episode_id)
+        if task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await asyncio.shield(task)
+            # run_episode stores the final result (the watchdog's included) as it returns.
+            while episode_id in self._episodes:
+                await asyncio.sleep(0.01)
+        return self._recent.get(episode_id)
 
     async def cancel(self, episode_ids: list[str] | None = None) -> int:
         """Cancel running episodes (all when ``episode_ids`` is None); their desktops are
@@ -465,6 +608,9 @@ class TrajectoryRunner:
             "model_in_flight_by_endpoint": (
                 {e["url"]: e["outstanding"] for e in model.stats()["endpoints"]} if model else {}
             ),
+            # Episodes of this runner waiting out a model outage, and what routing sees.
+            "model_waiting": model.waiting if model else 0,
+            "model_outage": str(model.outage_status()) if model and model.waiting else None,
         }
 
     async def close(self) -> None:

@@ -1,25 +1,30 @@
 """The project's exceptions, in one tree, so callers can tell transient from permanent failures.
 
     RolloutError                    base of everything raised on purpose here
-    ├── ConfigError                 the YAML config or a --set override is wrong (permanent)
+    ├── ConfigError                 the YAML config or a --set override is wrong (stops the run)
     ├── FatalSetupError             the run cannot start (Ray, desktops, model endpoints)
     ├── FleetError                  the model fleet cannot start or be controlled (run_model.py)
     ├── ActionParseError            a model reply is not a UI-TARS action (agent-side, not infra)
     ├── InfraError                  something outside the agent broke; the episode may be retried
     │   ├── ModelUnavailable        no model endpoint answered in time (transient)
+    │   ├── StorageError            the run's files cannot be written (disk full): stops the run
     │   ├── DesktopError            a desktop request failed or the desktop died (transient)
-    │   │   ├── DesktopUnavailable  no desktop could be leased before the deadline
+    │   │   ├── DesktopUnavailable  no desktop could be leased before the deadline (an outage)
     │   │   └── TaskSetupError      a task's setup step failed on the desktop
     │   │       └── UnsupportedSetupStep   the task names a setup step we do not implement
     │   └── UnsupportedEvaluator    a task names a getter or metric we do not implement
-    └── ModelRequestError           the model server refused the request (4xx): never retried
+    └── ModelRequestError           the model server refused the request (4xx): never retried;
+                                    401/403/404 stop the run (no request can succeed)
 
 Lower-level errors (httpx, Ray, OS) are translated into these at module boundaries with
 ``raise ... from exc`` so the cause stays visible.
 
 Each class says how an episode that hit it ends, so no caller keeps an ``except`` ladder:
-``retryable`` (another attempt, on another desktop, may succeed) and ``blames_desktop``
-(the desktop the episode held must be health-checked before it is lent again).
+``retryable`` (another attempt, on another desktop, may succeed), ``blames_desktop``
+(the desktop the episode held must be health-checked before it is lent again), ``outage``
+(a side of the service is down, not this episode's fault: the episode is requeued without
+using an attempt and the coordinator waits for that side to come back) and ``fatal`` (no
+episode can succeed until an operator acts: the run stops with one line naming the cause).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ __all__ = [
     "ModelRequestError",
     "ModelUnavailable",
     "RolloutError",
+    "StorageError",
     "TaskSetupError",
     "UnsupportedEvaluator",
     "UnsupportedSetupStep",
@@ -50,10 +56,16 @@ class RolloutError(Exception):
     """Another attempt of the episode may not hit this error (an infrastructure hiccup)."""
     blames_desktop: ClassVar[bool] = False
     """The episode's desktop may be broken: check it before lending it again."""
+    outage: str | None = None
+    """``"model"`` or ``"desktop"``: that side has no capacity now (a wait, not a result)."""
+    fatal: bool = False
+    """No retry can fix it (credentials, configuration, a full disk): the run stops."""
 
 
 class ConfigError(RolloutError):
     """The configuration is invalid; the message names the file and the key path."""
+
+    fatal = True
 
 
 class FatalSetupError(RolloutError):
@@ -81,7 +93,22 @@ class InfraError(RolloutError):
 
 
 class ModelUnavailable(InfraError):
-    """No model endpoint produced a reply within the retry budget."""
+    """No model endpoint produced a reply within the retry budget. ``outage``: none was
+    reachable at all (every endpoint down, draining or restarting), which is the service's
+    state, not this request's; otherwise requests reached a server and failed (5xx, timeouts),
+    which counts against the episode's attempts."""
+
+    def __init__(self, message: str, *, outage: bool = False) -> None:
+        super().__init__(message)
+        self.outage = "model" if outage else None
+
+
+class StorageError(InfraError):
+    """A write of the run's files failed (disk full, I/O error, the storage actor is gone).
+    Nothing more can be recorded: the run stops, and a rerun resumes it."""
+
+    retryable = False
+    fatal = True
 
 
 class DesktopError(InfraError):
@@ -91,7 +118,11 @@ class DesktopError(InfraError):
 
 
 class DesktopUnavailable(DesktopError):
-    """No desktop could be leased before the lease deadline."""
+    """No desktop could be leased before the lease deadline: every desktop is busy, resetting
+    or quarantined. An outage of the desktop side, not the episode's failure."""
+
+    blames_desktop = False  # no desktop was held
+    outage = "desktop"
 
 
 class TaskSetupError(DesktopError):
@@ -124,6 +155,9 @@ class ModelRequestError(RolloutError):
         self.status = status
         self.server_message = server_message
         self.endpoint = endpoint
+        # A wrong key, no permission, or a model name the server does not serve: every
+        # request of the run would get the same answer.
+        self.fatal = status in (401, 403, 404)
 
 
 class FleetError(RolloutError):

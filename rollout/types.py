@@ -96,21 +96,26 @@ class EpisodeResult:
     timing: dict[str, float] = field(default_factory=dict)
     runner: str | None = None
     node: str | None = None
+    outage: str | None = None     # "model"/"desktop": that side was down (requeue, no attempt)
+    fatal: bool = False           # no retry can fix it: the run stops, the episode is not recorded
 
     def record(self) -> dict[str, Any]:
         out = asdict(self)
         out["status"] = str(self.status)
         out["duration_s"] = round(self.ended_at - self.started_at, 4)
-        out.pop("retryable")
+        for scheduling_only in ("retryable", "outage", "fatal"):
+            out.pop(scheduling_only)
         return out
 
 
 def infra_result(spec: EpisodeSpec, error: str, *, retryable: bool = True,
-                 runner: str | None = None) -> EpisodeResult:
+                 runner: str | None = None, outage: str | None = None,
+                 fatal: bool = False) -> EpisodeResult:
     """The result of an attempt that never reached (or lost) its runner."""
     now = time.time()
     return EpisodeResult(
         spec.episode_id, spec.task_id, spec.domain, spec.rollout, spec.attempt,
         Status.INFRA_ERROR, None, 0, now, now, instruction=str(spec.task.get("instruction", "")),
         infeasible=is_infeasible(spec.task), error=error, retryable=retryable, runner=runner,
+        outage=outage, fatal=fatal,
     )

@@ -9,6 +9,7 @@ import asyncio
 import logging
 import time
 import uuid
+from collections import deque
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -26,6 +27,8 @@ log = logging.getLogger(__name__)
 
 # The housekeeping loop runs at least this often (reclaiming leases, idle health checks).
 _HOUSEKEEPING_MAX_INTERVAL_S = 5.0
+# Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
+_RESET_WINDOW = 1000
 
 
 @dataclass(frozen=True)
@@ -66,7 +69,10 @@ class DesktopPool:
         self._stopping = False
         self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
                          "quarantined": 0, "replaced": 0, "reclaimed": 0, "lease_timeouts": 0}
-        self.reset_durations_s: list[float] = []
+        self.reset_durations_s: deque[float] = deque(maxlen=_RESET_WINDOW)
+        # Owners (prefixes) whose leases were given back for them: an episode cancelled or a
+        # runner declared dead. A lease call of theirs still in transit must not be granted.
+        self._revoked: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -122,6 +128,8 @@ class DesktopPool:
         other one is free."""
         if self._stopping:
             raise DesktopUnavailable("the desktop pool is stopping")
+        if self._is_revoked(owner):
+            raise DesktopUnavailable(f"{owner} was released before its lease arrived")
         wait_s = self.cfg.lease_timeout_s if timeout_s is None else timeout_s
         desktop_id = self._take_free(frozenset(avoid))
         if desktop_id is None:
@@ -146,6 +154,9 @@ class DesktopPool:
             finally:
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
+        if self._is_revoked(owner):  # revoked while it waited: the desktop goes to the next one
+            self._make_free(desktop_id)
+            raise DesktopUnavailable(f"{owner} was released before its lease arrived")
         desktop = self._desktops[desktop_id]
         desktop.state = "leased"
         desktop.leases += 1
@@ -170,7 +181,12 @@ class DesktopPool:
 
     async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
         """Release every lease whose owner starts with ``owner_prefix`` (the leases of a
-        runner that died); returns how many."""
+        runner that died, of an episode that stopped waiting for its lease); returns how
+        many. Until its own lease could still arrive, that owner is refused any new lease,
+        so a call in transit never lends a desktop to nobody."""
+        now = time.monotonic()
+        self._revoked = {p: t for p, t in self._revoked.items() if t > now}
+        self._revoked[owner_prefix] = now + 2 * self.cfg.lease_timeout_s + 60
         ids = [i for i, lease in self._leases.items() if lease.owner.startswith(owner_prefix)]
         for lease_id in ids:
             await self.release(lease_id, healthy)
@@ -196,6 +212,12 @@ class DesktopPool:
         }
 
     # ----------------------------------------------------------------- internals
+
+    def _is_revoked(self, owner: str) -> bool:
+        if not self._revoked:
+            return False
+        now = time.monotonic()
+        return any(owner.startswith(p) and t > now for p, t in self._revoked.items())
 
     def _summary(self) -> str:
         s = self.stats()
@@ -235,9 +257,10 @@ class DesktopPool:
     async def _reset(self, desktop: Desktop) -> None:
         started = time.monotonic()
         try:
-            await asyncio.wait_for(self.provider.reset(desktop), self.cfg.reset_timeout_s)
-            if not await self.provider.health(desktop):
-                raise DesktopError("unhealthy after reset")
+            async with asyncio.timeout(self.cfg.reset_timeout_s):  # the check included
+                await self.provider.reset(desktop)
+                if not await self.provider.health(desktop):
+                    raise DesktopError("unhealthy after reset")
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of a reset quarantines the desktop

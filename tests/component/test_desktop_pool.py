@@ -169,3 +169,31 @@ async def test_cancelled_waiter_does_not_lose_a_desktop(make_pool):
     await pool.release(first.lease_id)
     await until(lambda: pool.stats()["free"] == 1)
     assert (await pool.lease("c", timeout_s=1)).desktop_id == first.desktop_id
+
+
+async def test_a_lease_still_in_transit_for_a_released_owner_is_never_granted(make_pool):
+    """Review L3: in Ray mode, cancelling the runner's await does not cancel the pool's
+    ``lease``. The runner then releases by owner; the lease that arrives (or is granted)
+    afterwards is refused and the desktop goes to the next one, not to nobody."""
+    pool = await make_pool(FakeProvider(), count=1)
+    first = await pool.lease("runner-0/a")
+    in_transit = asyncio.create_task(pool.lease("runner-0/b#0/x1", timeout_s=5))
+    await asyncio.sleep(0.02)
+    assert await pool.release_owned("runner-0/b#0/x1") == 0  # the owner gave up on it
+    await pool.release(first.lease_id)
+    with pytest.raises(DesktopUnavailable, match="released before its lease arrived"):
+        await in_transit
+    await until(lambda: pool.stats()["free"] == 1)
+    with pytest.raises(DesktopUnavailable, match="released before its lease arrived"):
+        await pool.lease("runner-0/b#0/x1", timeout_s=1)  # a call that arrives even later
+    assert (await pool.lease("runner-0/b#0/x2", timeout_s=1)).desktop_id == first.desktop_id
+
+
+async def test_reset_statistics_keep_a_bounded_window(make_pool):
+    pool = await make_pool(FakeProvider(), count=1)
+    for _ in range(3):
+        lease = await pool.lease("a")
+        await pool.release(lease.lease_id)
+        await until(lambda: pool.stats()["free"] == 1)
+    assert len(pool.reset_durations_s) == 3
+    assert pool.reset_durations_s.maxlen is not None and pool.reset_durations_s.maxlen <= 1000

@@ -250,3 +250,88 @@ async def test_token_ids_and_logprobs_are_recorded_when_asked(make_world):
     step = world.traj()[0]
     assert step["token_ids"] and step["prompt_token_ids"] and step["logprobs"]
     assert world.model.requests[0]["return_token_ids"] is True
+
+
+# --------------------------------------------------------------------------- outages (review H1)
+
+
+async def test_a_model_outage_mid_episode_is_waited_out_with_the_deadline_stopped(make_world):
+    """The model goes down after the first step for longer than the whole episode deadline:
+    the episode waits (its deadline stopped), then finishes as if nothing happened."""
+    world = await make_world("runner.episode_timeout_s=1.5", "model.outage_wait_s=30",
+                             "model.endpoint_failures_to_eject=1", replies=[
+                                 "Thought: the button\nAction: click(start_box='(100,200)')",
+                                 "Thought: done\nAction: finished(content='ok')"])
+    server = world.model
+
+    def go_down(body: dict[str, Any]) -> str:
+        text = world.replies.pop(0)
+        server.healthy = False
+        server.faults.extend([503] * 1000)
+        return text
+
+    server.reply = go_down
+    running = asyncio.ensure_future(world.run())
+    for _ in range(200):
+        if world.runner.stats()["model_waiting"]:
+            break
+        await asyncio.sleep(0.02)
+    assert world.runner.stats()["model_waiting"] == 1
+    assert world.runner.stats()["model_outage"] == "0 live, 0 draining, 1 down"
+    await asyncio.sleep(2.0)  # longer than the episode's deadline
+    server.faults.clear()
+    server.reply = lambda body: world.replies.pop(0)
+    server.healthy = True
+    result = await asyncio.wait_for(running, 30)
+    assert (result.status, result.reward, result.steps) == ("success", 1.0, 2)
+    assert result.timing["outage_wait_s"] >= 2.0
+
+
+async def test_an_outage_longer_than_outage_wait_s_is_an_outage_not_an_attempt(make_world):
+    world = await make_world("model.outage_wait_s=0.3", "model.endpoint_failures_to_eject=1")
+    world.model.healthy = False
+    world.model.faults.extend([503] * 100)
+    result = await world.run()
+    assert (result.status, result.outage, result.fatal) == ("infra_error", "model", False)
+    assert "no model endpoint for 0s (0 live, 0 draining, 1 down)" in result.error
+    await asyncio.sleep(0.05)
+    assert world.pool.stats()["free"] == 1  # the desktop went back
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+async def test_credentials_or_an_unknown_model_are_fatal_for_the_run(make_world, status):
+    world = await make_world()
+    world.model.faults.append(status)
+    result = await world.run()
+    assert (result.status, result.fatal, result.outage) == ("infra_error", True, None)
+    assert f"HTTP {status}" in result.error
+
+
+async def test_no_desktop_within_the_lease_timeout_is_a_desktop_outage(make_world):
+    world = await make_world("desktops.lease_timeout_s=0.2")
+    held = await world.pool.lease("someone-else")
+    result = await world.run()
+    assert (result.status, result.outage) == ("infra_error", "desktop")
+    await world.pool.release(held.lease_id)
+
+
+async def test_a_slow_metric_times_out_without_freezing_the_runner(make_world, monkeypatch):
+    """Review M6: metrics run off the runner's event loop, so one that blocks for seconds
+    ends its own episode at evaluation_timeout_s while the runner keeps answering."""
+    import time as time_module
+
+    from rollout.evaluation import METRICS
+
+    monkeypatch.setitem(METRICS, "slow_metric", lambda *a, **k: time_module.sleep(2) or 1.0)
+    world = await make_world("runner.evaluation_timeout_s=0.3",
+                             replies=["Action: click(start_box='(10,10)')\n\nfinished()"])
+    task = {**TASK, "evaluator": {**TASK["evaluator"], "func": "slow_metric"}}
+    running = asyncio.ensure_future(world.run(task))
+    ticks = 0
+    while not running.done():  # the loop keeps turning while the metric blocks its thread
+        ticks += 1
+        await asyncio.sleep(0.01)
+    result = running.result()
+    assert (result.status, result.retryable) == ("infra_error", True)
+    assert "evaluation timed out" in (result.error or "")
+    assert ticks > 10 and world.runner.stats()["active"] == 0

@@ -352,3 +352,83 @@ async def test_endpoint_snapshot(servers):
         "served": 0, "consecutive_failures": 1, "ejected": False,
         "last_error": "HTTP 500: fault 500",
     }]
+
+
+# --------------------------------------------------------------------------- outages (review H1)
+
+
+async def test_a_server_error_on_the_request_is_the_episodes_not_an_outage(servers):
+    (srv,) = servers(1)
+    srv.faults = [500] * 10
+    pool = ModelServicePool(model_cfg([srv.url], retries=2))
+    try:
+        with pytest.raises(ModelUnavailable) as info:
+            await pool.generate(MESSAGES, "s")
+    finally:
+        await pool.close()
+    assert info.value.outage is None  # counts against the episode's attempts
+
+
+async def test_every_endpoint_down_is_an_outage_waited_out_until_it_returns(servers):
+    """A stopped server (connection refused) is an outage, not an episode's failure: the
+    error says so at once, and ``wait_until_live`` returns when the server is back on its
+    port, whatever the number of waiters (one probe loop)."""
+    (srv,) = servers(1)
+    srv.stop()
+    pool = ModelServicePool(model_cfg([srv.url], retries=5, endpoint_failures_to_eject=2))
+    try:
+        with pytest.raises(ModelUnavailable, match="no model endpoint is serving") as info:
+            await pool.generate(MESSAGES, "s")
+        assert info.value.outage == "model"
+        assert str(pool.outage_status()) == "0 live, 0 draining, 1 down"
+        assert not await pool.wait_until_live(0.3)
+        waiters = [asyncio.create_task(pool.wait_until_live(30)) for _ in range(20)]
+        await asyncio.sleep(0.5)
+        assert pool.outage_status().waiting == 20 and pool.outage_status().since_s > 0
+        await asyncio.to_thread(srv.start)  # the same port again
+        assert all(await asyncio.gather(*waiters))
+        assert pool.outage_status().waiting == 0
+        assert (await pool.generate(MESSAGES, "s")).text
+    finally:
+        await pool.close()
+
+
+async def test_503_everywhere_is_an_outage(servers):
+    (srv,) = servers(1)
+    srv.faults = [503] * 10
+    pool = ModelServicePool(model_cfg([srv.url], retries=2, endpoint_failures_to_eject=10))
+    try:
+        with pytest.raises(ModelUnavailable, match="after 3 attempts.*HTTP 503") as info:
+            await pool.generate(MESSAGES, "s")
+    finally:
+        await pool.close()
+    assert info.value.outage == "model"
+
+
+async def test_a_single_replica_draining_for_a_reload_is_waited_for(servers, tmp_path):
+    """run_model.py's state file marks the only replica draining (a rolling reload with one
+    replica): no request is sent anywhere, the caller waits, and is woken when the state file
+    shows the replica serving again."""
+    (srv,) = servers(1)
+    state = tmp_path / ENDPOINTS_FILE
+
+    def publish(**entry):
+        tmp = state.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"endpoints": [{"url": srv.url, **entry}]}))
+        os.replace(tmp, state)
+
+    publish(healthy=True, draining=True, model_version="v1")
+    pool = ModelServicePool(model_cfg([]), state_dir=tmp_path)
+    try:
+        with pytest.raises(ModelUnavailable) as info:
+            await pool.generate(MESSAGES, "s")
+        assert info.value.outage == "model" and "0 live, 1 draining" in str(info.value)
+        waiter = asyncio.create_task(pool.wait_until_live(30))
+        await asyncio.sleep(0.4)
+        assert not waiter.done() and not srv.requests
+        publish(healthy=True, model_version="v2")
+        os.utime(state, ns=(1, 10**18))
+        assert await waiter
+        assert (await pool.generate(MESSAGES, "s")).model_version == "v2"
+    finally:
+        await pool.close()

@@ -29,6 +29,7 @@ tasks:
   rollouts_per_task: 8
   poll_interval_s: 30
   dynamic_rollouts: {enabled: true, threshold: 0.75, min_n: 2, window: 8}
+  rerun_infra_errors: false
 model:
   name: ui-tars-1.5-7b
   family: uitars-1.0
@@ -44,6 +45,7 @@ model:
   retries: 10
   backoff_initial_s: 1
   backoff_max_s: 30
+  outage_wait_s: 120
   routing: least_outstanding
   sticky_max_extra_outstanding: 2
   max_connections_per_endpoint: 64
@@ -98,7 +100,8 @@ desktops:
   kubernetes: {namespace: rollout, image: desk:1, service_account: sa, cpu: "2", memory: 4Gi,
                port: 5000, startup_timeout_s: 200}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
-              max_retries: 3, runner_num_cpus: 0.5}
+              max_retries: 3, runner_num_cpus: 0.5, outage_backoff_initial_s: 2,
+              outage_backoff_max_s: 10, outage_give_up_s: 600}
 runner: {max_steps: 15, history_images: 3, history_texts: 10, action_pause_s: 0.5, wait_s: 2,
          max_parse_retries: 2, call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
          prompt_language: Chinese, prompt_note: "sudo password is in the note",
@@ -131,6 +134,8 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.coordinator.schedule == "batch" and cfg.coordinator.episodes_per_runner == 16
     assert cfg.runner.call_user == "wait" and cfg.runner.history_images == 3
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
+    assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
+    assert cfg.coordinator.outage_give_up_s == 600
     assert cfg.run_dir == Path("out/exp-1")
 
 
@@ -328,3 +333,13 @@ def test_cli_exit_codes(tmp_path):
     )
     assert fail.returncode == 2
     assert f"{bad}" in fail.stderr and "run.nmae: unknown key" in fail.stderr
+
+
+def test_a_lease_must_outlive_everything_its_episode_does(tmp_path):
+    """Review M3: a lease reclaimed at lease_max_s while its episode still runs (or is
+    scored) hands the desktop to a second episode; the config refuses that, naming keys."""
+    with pytest.raises(ConfigError, match=r"desktops.lease_max_s \(3600\) must exceed "
+                                          r"runner.episode_timeout_s \+ model.outage_wait_s"):
+        load_config(None, ["runner.episode_timeout_s=3600"])
+    cfg = load_config(None, ["runner.episode_timeout_s=3600", "desktops.lease_max_s=5000"])
+    assert cfg.desktops.lease_max_s == 5000

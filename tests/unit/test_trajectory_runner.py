@@ -8,10 +8,12 @@ from __future__ import annotations
 from config import load_config
 from env_k8s import DONE, FAIL, WAIT
 from rollout.errors import (
+    ConfigError,
     DesktopError,
     DesktopUnavailable,
     ModelRequestError,
     ModelUnavailable,
+    StorageError,
     TaskSetupError,
     UnsupportedEvaluator,
     UnsupportedSetupStep,
@@ -52,21 +54,26 @@ def test_call_user_fails_or_waits_up_to_the_configured_number():
 
 
 def test_how_each_error_ends_an_episode_is_the_errors_class():
-    # (error, retryable, desktop healthy)
+    # (error, retryable, desktop healthy, outage, fatal)
     cases = {
-        DesktopError("x/execute: cannot connect"): (True, False),
-        DesktopUnavailable("no desktop"): (True, False),
-        TaskSetupError("launch failed"): (True, True),
-        UnsupportedSetupStep("googledrive"): (False, True),
-        UnsupportedEvaluator("compare_pdf"): (False, True),
-        ModelUnavailable("no endpoint"): (True, True),
-        ModelRequestError(400, "too long"): (False, True),
-        KeyError("a bug of ours"): (False, True),
+        DesktopError("x/execute: cannot connect"): (True, False, None, False),
+        DesktopUnavailable("no desktop"): (True, True, "desktop", False),
+        TaskSetupError("launch failed"): (True, True, None, False),
+        UnsupportedSetupStep("googledrive"): (False, True, None, False),
+        UnsupportedEvaluator("compare_pdf"): (False, True, None, False),
+        ModelUnavailable("500 after retries"): (True, True, None, False),
+        ModelUnavailable("no endpoint", outage=True): (True, True, "model", False),
+        ModelRequestError(400, "too long"): (False, True, None, False),
+        ModelRequestError(401, "bad key"): (False, True, None, True),
+        ModelRequestError(404, "no such model"): (False, True, None, True),
+        ConfigError("model.api_key_env names $K, which is not set"): (False, True, None, True),
+        StorageError("results.jsonl: No space left"): (False, True, None, True),
+        KeyError("a bug of ours"): (False, True, None, False),
     }
     for exc, expected in cases.items():
-        text, retryable, healthy = episode_error(exc, "d0")
-        assert (retryable, healthy) == expected, exc
-        assert str(exc).strip("'") in text
+        ended = episode_error(exc, "d0")
+        assert (ended.retryable, ended.healthy, ended.outage, ended.fatal) == expected, exc
+        assert str(exc).strip("'") in ended.text
     assert episode_error(DesktopError("boom"), None)[0] == "desktop (none leased): boom"
     assert episode_error(UnsupportedEvaluator("m"), "d0")[0] == "evaluator: m"
 
