@@ -47,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="status: print JSON")
     parser.add_argument("--no-wait", action="store_true",
                         help="reload: return once the supervisor accepted the reload")
+    parser.add_argument("--batch", type=int, metavar="N",
+                        help="reload: replicas reloaded at once this time (default "
+                             "model_pool.reload_batch; the number of replicas reloads them all "
+                             "at once, and episodes wait for them)")
     args = parser.parse_args(argv)
     if args.command == "reload" and not args.checkpoint:
         parser.error("reload needs --checkpoint PATH")
+    if args.batch is not None and (args.command != "reload" or args.batch < 1):
+        parser.error("--batch N (N >= 1) goes with reload")
     if args.watch is not None and args.command != "serve":
         parser.error("--watch goes with serve")
     if args.watch is not None and not args.watch.is_dir():
@@ -65,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         return cmd_status(cfg, as_json=args.json)
     if args.command == "reload":
-        return cmd_reload(cfg, args.checkpoint, wait=not args.no_wait)
+        return cmd_reload(cfg, args.checkpoint, wait=not args.no_wait, batch=args.batch)
     return cmd_serve(cfg, args.watch)
 
 

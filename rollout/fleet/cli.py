@@ -120,7 +120,7 @@ def cmd_status(cfg: Config, *, as_json: bool) -> int:
     return 0 if live else 1
 
 
-def cmd_reload(cfg: Config, checkpoint: str, *, wait: bool) -> int:
+def cmd_reload(cfg: Config, checkpoint: str, *, wait: bool, batch: int | None = None) -> int:
     """Ask the live supervisor to roll ``checkpoint`` out; with ``wait``, print each replica
     as it is done and exit 0 only if every one reloaded."""
     state_dir = cfg.model_pool.state_dir.resolve()
@@ -132,7 +132,7 @@ def cmd_reload(cfg: Config, checkpoint: str, *, wait: bool) -> int:
     local = Path(checkpoint).expanduser()
     target = str(local.resolve()) if local.exists() else checkpoint  # the supervisor's cwd differs
     try:
-        response = client.reload(target)
+        response = client.reload(target, batch)
     except httpx.HTTPError as exc:
         print(f"supervisor at {client.url} does not answer: {exc}", file=sys.stderr)
         return 1

@@ -75,11 +75,15 @@ def create_app(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, token: s
         try:
             body = await request.json()
             checkpoint = str(body["checkpoint"])
-        except (ValueError, KeyError, TypeError):
-            return JSONResponse({"error": 'expected {"checkpoint": PATH}'}, status_code=400)
+            batch = body.get("batch")
+            if batch is not None and (type(batch) is not int or batch < 1):
+                raise TypeError(batch)
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return JSONResponse({"error": 'expected {"checkpoint": PATH, "batch": N >= 1 '
+                                          '(optional)}'}, status_code=400)
 
         async def start() -> ReloadOutcome:
-            return supervisor.request_reload(checkpoint)
+            return supervisor.request_reload(checkpoint, batch)
 
         code, payload = _reload_reply(await on_loop(start))
         return JSONResponse(payload, status_code=code)
@@ -147,7 +151,11 @@ class ControlClient:
         """``GET /status``: 200 with the published state plus each replica's load."""
         return httpx.get(self.url + STATUS_PATH, headers=self.headers, timeout=self.timeout_s)
 
-    def reload(self, checkpoint: str) -> httpx.Response:
-        """``POST /reload``: 202 with the reload started, else 4xx with its ``error``."""
-        return httpx.post(self.url + RELOAD_PATH, json={"checkpoint": checkpoint},
-                          headers=self.headers, timeout=self.timeout_s)
+    def reload(self, checkpoint: str, batch: int | None = None) -> httpx.Response:
+        """``POST /reload``: 202 with the reload started, else 4xx with its ``error``.
+        ``batch``: replicas reloaded at once this time (None: the pool's reload_batch)."""
+        body: dict[str, Any] = {"checkpoint": checkpoint}
+        if batch is not None:
+            body["batch"] = batch
+        return httpx.post(self.url + RELOAD_PATH, json=body, headers=self.headers,
+                          timeout=self.timeout_s)

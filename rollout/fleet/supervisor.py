@@ -459,9 +459,10 @@ class Supervisor:
     def _reload_running(self) -> bool:
         return self._reload_task is not None and not self._reload_task.done()
 
-    def request_reload(self, checkpoint: str) -> ReloadOutcome:
-        """Start a rolling reload onto ``checkpoint`` (call it on the supervisor's loop).
-        One runs at a time; a refusal says why."""
+    def request_reload(self, checkpoint: str, batch: int | None = None) -> ReloadOutcome:
+        """Start a rolling reload onto ``checkpoint`` (call it on the supervisor's loop),
+        ``batch`` replicas at a time (None: ``model_pool.reload_batch``). One runs at a time;
+        a refusal says why."""
         if self._reload_running():
             running = self.reload_status
             where = running["checkpoint"] if running is not None else None
@@ -482,7 +483,8 @@ class Supervisor:
             "finished_at": None, "duration_s": None, "batches_total": 0, "batches_done": 0,
             "replicas": [],
         }
-        self._reload_task = asyncio.create_task(self._rolling_reload(ckpt, self.reload_status))
+        self._reload_task = asyncio.create_task(
+            self._rolling_reload(ckpt, self.reload_status, batch or self.pool.reload_batch))
         return ReloadOutcome(self.reload_status)
 
     async def _roll_out_watched(self, checkpoint: str) -> None:
@@ -495,14 +497,13 @@ class Supervisor:
         assert self._reload_task is not None
         await asyncio.shield(self._reload_task)
 
-    async def _rolling_reload(self, ckpt: str, status: ReloadStatus) -> None:
+    async def _rolling_reload(self, ckpt: str, status: ReloadStatus, n: int) -> None:
         version = status["version"]
         t0 = time.monotonic()
         log.info("reload %d: rolling %s (version %s) onto %d replica(s), %d at a time",
-                 status["id"], ckpt, version, len(self.replicas), self.pool.reload_batch)
+                 status["id"], ckpt, version, len(self.replicas), n)
         try:
             todo = [r for r in self.replicas if (r.checkpoint, r.version) != (ckpt, version)]
-            n = self.pool.reload_batch
             batches = [todo[i:i + n] for i in range(0, len(todo), n)]
             status["batches_total"] = len(batches)
             for batch in batches:

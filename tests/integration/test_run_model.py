@@ -26,7 +26,7 @@ import pytest
 
 from config import ModelConfig, ModelPoolConfig, SamplingConfig
 from model_service_pool import Generation, ModelServicePool
-from rollout.errors import ConfigError, ModelRequestError
+from rollout.errors import ConfigError, ModelRequestError, ModelUnavailable
 from rollout.fleet.checkpoints import (
     checkpoint_version,
     newest_checkpoint,
@@ -111,7 +111,9 @@ class Stream:
 
     client: ModelServicePool
     workers: int
+    patient: bool = False   # wait out an outage as an episode does (model.outage_wait_s)
     done: list[tuple[float, Generation]] = field(default_factory=list)  # (start time, gen)
+    waits: int = 0
     errors: list[BaseException] = field(default_factory=list)
     _stop: asyncio.Event = field(default_factory=asyncio.Event)
     _tasks: list[asyncio.Task[None]] = field(default_factory=list)
@@ -125,6 +127,12 @@ class Stream:
             started = time.monotonic()
             try:
                 gen = await self.client.generate(MESSAGES, session_id=f"ep{i}")
+            except ModelUnavailable as exc:
+                if self.patient and exc.outage and await self.client.wait_until_live(300):
+                    self.waits += 1
+                    continue
+                self.errors.append(exc)
+                return
             except Exception as exc:
                 self.errors.append(exc)
                 return
@@ -279,7 +287,7 @@ class _StubSupervisor:
     async def status(self) -> dict[str, Any]:
         return {"model": MODEL_NAME, "endpoints": []}
 
-    def request_reload(self, checkpoint: str) -> ReloadOutcome:
+    def request_reload(self, checkpoint: str, batch: int | None = None) -> ReloadOutcome:
         self.requested.append(checkpoint)
         return self.outcomes.pop(0)
 
@@ -593,6 +601,35 @@ async def test_rolling_reload_under_load_fails_no_request(pool: Pool):
     assert all(not e["draining"] and e["healthy"] for e in pool.endpoints())
     status = run_cli("status", "--config", str(pool.config))
     assert status.returncode == 0 and f"done -> {new_version}" in status.stdout
+
+
+@pytest.mark.integration
+async def test_reloading_every_replica_at_once_under_load_fails_no_request(pool: Pool):
+    """Review H1 (a single-replica reload, or reload_batch >= replicas): every endpoint is
+    draining and then restarting at once, so no request can be served for a while. Callers
+    that wait out the outage, as episodes do, lose nothing and see the new version after."""
+    old_version = pool.state()["model_version"]
+    target = pool.models.first if old_version != checkpoint_version(
+        str(pool.models.first)) else pool.models.second
+    new_version = checkpoint_version(str(target))
+    client = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
+    stream = Stream(client, workers=4, patient=True)
+    try:
+        stream.start()
+        await stream.wait_done(4, timeout_s=120)
+        result = await asyncio.to_thread(
+            run_cli, "reload", "--config", str(pool.config), "--checkpoint", str(target),
+            "--batch", "2", timeout_s=RELOAD_TIMEOUT_S)
+        reloaded_at = time.monotonic()
+        assert result.returncode == 0, result.stdout + result.stderr
+        await stream.wait_done(4, timeout_s=120, after=reloaded_at)
+        await stream.stop()
+    finally:
+        await client.close()
+    assert not stream.errors, stream.errors
+    assert stream.waits >= 1  # there was a moment with no endpoint at all
+    assert {g.model_version for t, g in stream.done if t >= reloaded_at} == {new_version}
+    assert client.stats()["outage_waits"] >= 1
 
 
 @pytest.mark.integration
