@@ -319,6 +319,10 @@ class DesktopsConfig(_Section):
     """Name of the environment variable replacing ``{CLIENT_PASSWORD}`` in task setup."""
     download_cache_dir: Path = Path("cache")
     """Local files that task ``download`` steps use (there is no network to fetch them)."""
+    task_file_roots: list[Path] = []
+    """Other directories whose files tasks may upload to a desktop (``upload_file``); run.py
+    adds the folder of ``tasks.source`` and ``tasks.examples_dir``. Nothing else on this host
+    is readable by a task file."""
     local: LocalDesktopsConfig = LocalDesktopsConfig()
     """Settings of the ``local`` provider."""
     static: StaticDesktopsConfig = StaticDesktopsConfig()

@@ -163,8 +163,14 @@ def _model_state_dir(cfg: Config) -> str | None:
 
 def _absolute_paths(cfg: Config) -> Config:
     """Paths relative to where the command runs, made absolute for actors on other nodes."""
+    task_roots = [Path(p).resolve() for p in (*cfg.desktops.task_file_roots,
+                                                cfg.tasks.examples_dir) if p is not None]
+    if cfg.tasks.source is not None:
+        source = Path(cfg.tasks.source).resolve()
+        task_roots.append(source if source.is_dir() else source.parent)
     desktops = cfg.desktops.model_copy(update={
         "download_cache_dir": Path(cfg.desktops.download_cache_dir).resolve(),
+        "task_file_roots": list(dict.fromkeys(task_roots)),
         "local": cfg.desktops.local.model_copy(
             update={"state_dir": Path(cfg.desktops.local.state_dir).resolve()}),
     })

@@ -4,6 +4,7 @@ commands, Python code and bash scripts under time limits, with what they leave r
 
 from __future__ import annotations
 
+import math
 import os
 import shlex
 import sys
@@ -24,6 +25,7 @@ __all__ = [
     "run_command",
     "run_python",
     "shell_argv",
+    "time_limit",
     "working_dir",
 ]
 
@@ -33,7 +35,8 @@ BASH_SHEBANG = "#!/bin/bash"
 def read_command(data: Mapping[str, Any]) -> CommandRequest:
     """OSWorld's reading of a command request: ``shell`` by truthiness; ``command`` (empty
     when missing), a string split with shlex unless ``shell``; list arguments starting with
-    ``~/`` expanded. Raises ``BadCommand`` when no runnable command is left."""
+    ``~/`` expanded; and the caller's ``timeout``, if any (not OSWorld's). Raises
+    ``BadCommand`` when no runnable command is left or the timeout is not a positive number."""
     shell = bool(data.get("shell", False))
     command = data.get("command", "" if shell else [])
     if isinstance(command, str) and not shell:
@@ -52,7 +55,20 @@ def read_command(data: Mapping[str, Any]) -> CommandRequest:
             raise BadCommand("every element of command must be a string")
     elif not isinstance(command, str):
         raise BadCommand(f"command must be a list or a string, not {type(command).__name__}")
-    return CommandRequest(command=command, shell=shell)
+    timeout = data.get("timeout")
+    if timeout is not None and (
+        isinstance(timeout, bool)
+        or not isinstance(timeout, int | float)
+        or not (0 < timeout < math.inf)
+    ):
+        raise BadCommand(f"timeout must be a positive number of seconds, not {timeout!r}")
+    return CommandRequest(command=command, shell=shell, timeout=timeout)
+
+
+def time_limit(request: CommandRequest, limit_s: float) -> float:
+    """How long the command may run: the server's ``limit_s``, or less when its caller said it
+    waits less (``timeout``), so that nothing runs on after the caller gave up."""
+    return limit_s if request.timeout is None else min(limit_s, request.timeout)
 
 
 def shell_argv(request: CommandRequest) -> list[str]:

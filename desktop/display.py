@@ -62,6 +62,7 @@ class XvfbDisplay:
         xvfb: str = "Xvfb",
         xvfb_args: Sequence[str] = (),
         tmp_dir: Path | None = None,
+        base_env: Mapping[str, str] | None = None,
     ) -> None:
         if width <= 0 or height <= 0:
             raise ValueError(f"screen size must be positive, got {width}x{height}")
@@ -77,6 +78,10 @@ class XvfbDisplay:
         self.xvfb = xvfb
         self.xvfb_args = list(xvfb_args)
         self.tmp_dir = tmp_dir  # where the logs/authority workdir goes (None: the system's)
+        # The environment Xvfb, the window manager and X clients start from (None: ours).
+        # A local desktop passes an allowlisted one: secrets of the process that starts
+        # desktops must not reach processes the agent can inspect.
+        self.base_env = dict(base_env) if base_env is not None else None
         self._display: str | None = None
         self._xvfb: subprocess.Popen[bytes] | None = None
         self._wm: subprocess.Popen[bytes] | None = None
@@ -108,9 +113,11 @@ class XvfbDisplay:
         return bool(procs) and all(p.poll() is None for p in procs)
 
     def env(self, base: Mapping[str, str] | None = None) -> dict[str, str]:
-        """The environment for X clients of this display: ``base`` (default ``os.environ``)
-        with ``DISPLAY`` set, an X authority file that exists, and a UTF-8 locale."""
-        env = dict(os.environ if base is None else base)
+        """The environment for X clients of this display: ``base`` (default: ``base_env``,
+        else ``os.environ``) with ``DISPLAY`` set, an X authority file that exists, and a
+        UTF-8 locale."""
+        env = dict(base if base is not None else self.base_env if self.base_env is not None
+                   else os.environ)
         env["DISPLAY"] = self.display
         # python3-xlib (pulled in by pyautogui) refuses to connect when the authority file
         # is missing, even though this server needs no cookie; an empty file satisfies it.
@@ -202,7 +209,8 @@ class XvfbDisplay:
                 "-noreset",
                 *self.xvfb_args,
             ]
-            self._xvfb = _spawn(argv, self._workdir / "xvfb.log", pass_fds=(write_fd,))
+            self._xvfb = _spawn(argv, self._workdir / "xvfb.log", pass_fds=(write_fd,),
+                                env=self.base_env)
             os.close(write_fd)
             write_fd = -1
             reported = _read_display_number(read_fd, self._xvfb, deadline)

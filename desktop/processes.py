@@ -1,9 +1,14 @@
-"""Child processes of the desktop server: commands run with captured output and a time limit
-without blocking the event loop, and the register of what the server started, so that a reset
-can end it (found by session id, never by name).
+"""Child processes of the desktop server: the environment they get, commands run with
+captured output and a time limit without blocking the event loop, and the register of what the
+server started, so that a reset can end it (found by session id, never by name).
 
 Every child starts in a session of its own (``start_new_session``): its session id is its pid,
 and whatever it leaves running in the background keeps that id even after being re-parented.
+
+Children get an allowlisted environment (``CHILD_ENV_ALLOW``), never the server's own: what a
+child can read, the model can print (``env`` typed into a terminal lands in screenshots and in
+the requests sent to the model), and the server's environment may hold its bearer token, the
+image's credentials or, on a local desktop, the controller's API keys.
 """
 
 from __future__ import annotations
@@ -25,10 +30,14 @@ import psutil
 from desktop.errors import CommandTimeout
 
 __all__ = [
+    "CHILD_ENV_ALLOW",
+    "DESKTOP_ID_VAR",
+    "ENV_ALLOW_VAR",
     "MAX_OUTPUT_BYTES",
     "PIPE_GRACE_S",
     "AppTracker",
     "Completed",
+    "allowed_env",
     "child_env",
     "group_alive",
     "output_tail",
@@ -36,12 +45,36 @@ __all__ = [
     "wait_exit",
 ]
 
+DESKTOP_ID_VAR = "CUA_DESKTOP_ID"
+"""The tag every process of a local desktop carries (``rollout/envs/local_session.py``): its
+reset kills the desktop's apps by it, so children must keep it."""
+ENV_ALLOW_VAR = "CUA_DESKTOP_ENV_ALLOW"
+"""Names to add to ``CHILD_ENV_ALLOW`` for an image whose apps need more (e.g.
+``http_proxy,https_proxy,no_proxy``), separated by commas or spaces; ``NAME*`` is a prefix.
+It is read from the server's environment (a local desktop passes on the controller's)."""
+CHILD_ENV_ALLOW: tuple[str, ...] = (
+    # the X display, the user, the shell, locale and time zone
+    "DISPLAY", "XAUTHORITY", "HOME", "USER", "LOGNAME", "SHELL", "PATH", "TERM", "TZ",
+    "LANG", "LANGUAGE", "LC_*",
+    # the session: XDG directories, the session bus, temporary files (a local desktop's own)
+    "XDG_*", "DBUS_SESSION_BUS_ADDRESS", "TMPDIR",
+    # accessibility, which /accessibility and /terminal read from the apps
+    "AT_SPI_BUS_ADDRESS", "NO_AT_BRIDGE", "GTK_MODULES", "GNOME_ACCESSIBILITY",
+    "QT_ACCESSIBILITY", "QT_LINUX_ACCESSIBILITY_ALWAYS_ON",
+    DESKTOP_ID_VAR,
+    ENV_ALLOW_VAR,  # travels with the environment it shapes (a local desktop's server)
+)  # fmt: skip
+"""The variables children of the desktop (and of a local desktop's launcher) inherit; a name
+ending in ``*`` is a prefix. Everything else, tokens and API keys included, is dropped.
+PYTHONPATH is not on it: ``python`` is the server's interpreter, which has pyautogui."""
+
 # After a command exits, how long its output pipes may stay open (held by something it left in
 # the background) before the answer goes out without waiting for their end.
 PIPE_GRACE_S = 0.1
 # Most output kept per stream; the rest is dropped and the text says so.
 MAX_OUTPUT_BYTES = 16 * 1024 * 1024
-# How often to look at a child's state where the kernel has no pidfd (Linux < 5.3).
+# How often to look at a child's state where the kernel has no pidfd (Linux < 5.3), and at
+# killed processes until they are gone.
 _POLL_INTERVAL_S = 0.02
 _READ_CHUNK_BYTES = 65536
 # Most characters of a command's stderr quoted in an error message (its end).
@@ -65,11 +98,21 @@ class Completed:
         return self.stderr.decode("utf-8", "replace")
 
 
+def allowed_env(environ: Mapping[str, str]) -> dict[str, str]:
+    """The variables of ``environ`` on ``CHILD_ENV_ALLOW``, with the additions that
+    ``environ`` names in ``ENV_ALLOW_VAR``."""
+    extra = environ.get(ENV_ALLOW_VAR, "").replace(",", " ").split()
+    names = {n for n in (*CHILD_ENV_ALLOW, *extra) if not n.endswith("*")}
+    prefixes = tuple(n[:-1] for n in (*CHILD_ENV_ALLOW, *extra) if n.endswith("*"))
+    return {k: v for k, v in environ.items() if k in names or k.startswith(prefixes)}
+
+
 def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
-    """The environment of every child: the server's, with the directory of the server's own
-    interpreter first on PATH so that ``python`` is one that has pyautogui (OSWorld's client
-    posts ``["python", "-c", "import pyautogui; ..."]``)."""
-    env = dict(os.environ if base is None else base)
+    """The environment of every child: the allowlisted part of the server's
+    (``allowed_env``), with the directory of the server's own interpreter first on PATH so
+    that ``python`` is one that has pyautogui (OSWorld's client posts
+    ``["python", "-c", "import pyautogui; ..."]``)."""
+    env = allowed_env(os.environ if base is None else base)
     bin_dir = str(Path(sys.executable).parent)
     rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
     env["PATH"] = os.pathsep.join([bin_dir, *rest])
@@ -214,9 +257,10 @@ async def run_captured(
     event loop, and answer as soon as the command itself exits.
 
     On timeout (or cancellation) the command's whole process group is killed and
-    ``CommandTimeout`` is raised. Processes the command left running in the background are
-    handed to ``tracker`` so that a reset ends them. Errors starting the command
-    (``FileNotFoundError`` ...) propagate.
+    ``CommandTimeout`` is raised. The command is registered with ``tracker`` from its start,
+    so that a reset ends it even while it runs (its caller may have given up on it), and
+    stays there while it leaves processes running in the background. Errors starting the
+    command (``FileNotFoundError`` ...) propagate.
     """
     loop = asyncio.get_running_loop()
     proc = subprocess.Popen(
@@ -229,6 +273,8 @@ async def run_captured(
         cwd=cwd,
         start_new_session=True,
     )
+    if tracker is not None:
+        tracker.track(proc, argv, source)
     readers = [_PipeReader(p, loop) for p in (proc.stdout, proc.stderr) if p is not None]
     try:
         try:
@@ -248,8 +294,8 @@ async def run_captured(
         if proc.poll() is None:
             await asyncio.shield(wait_exit(proc))  # SIGKILLed: this returns at once
         raise
-    if tracker is not None and group_alive(proc.pid):
-        tracker.adopt(proc.pid, argv, source)
+    if tracker is not None and not group_alive(proc.pid):
+        tracker.forget(proc.pid)  # nothing left behind to end
     return Completed(returncode, out[0], out[1] if len(out) > 1 else b"")
 
 
@@ -267,7 +313,8 @@ class _Session:
 
 class AppTracker:
     """The sessions of the processes the server started (apps from ``/setup/launch`` and
-    ``/setup/open_file``, and whatever commands left running), so a reset can end them all.
+    ``/setup/open_file``, commands while they run and whatever they left running), so a reset
+    can end them all.
 
     Membership is by session id, so an app that a launcher script started and left behind is
     still found after its parent exited; nothing is ever looked up by name.
@@ -299,9 +346,14 @@ class AppTracker:
         self._sessions[proc.pid] = session
         return proc
 
-    def adopt(self, sid: int, argv: Sequence[str] | str, source: str) -> None:
-        """Track a session that a finished command left processes in."""
-        self._sessions.setdefault(sid, _Session(argv, source, time.time()))
+    def track(self, proc: subprocess.Popen[bytes], argv: Sequence[str] | str, source: str) -> None:
+        """Track the session of a command that runs to its end; whoever started it waits for
+        it (and so reaps it)."""
+        self._sessions[proc.pid] = _Session(argv, source, time.time(), proc)
+
+    def forget(self, sid: int) -> None:
+        """Stop tracking a session that has nothing left running."""
+        self._sessions.pop(sid, None)
 
     def processes(self) -> list[psutil.Process]:
         """Live processes of the tracked sessions; sessions with none left are forgotten."""
@@ -356,14 +408,34 @@ class AppTracker:
         for p in procs:
             with contextlib.suppress(psutil.Error):
                 p.terminate()
-        _, alive = await asyncio.to_thread(psutil.wait_procs, procs, grace_s)
+        alive = await asyncio.to_thread(_still_running, procs, grace_s)
         for p in alive:
             with contextlib.suppress(psutil.Error):
                 p.kill()
-        _, survivors = await asyncio.to_thread(psutil.wait_procs, alive, grace_s)
+        survivors = await asyncio.to_thread(_still_running, alive, grace_s)
         reapers = [s.reaper for s in list(self._sessions.values()) if s.reaper is not None]
         if pending := [r for r in reapers if not r.done()]:
             await asyncio.wait(pending, timeout=grace_s)  # launched apps reaped: no zombies
         await asyncio.to_thread(self.processes)  # forget sessions that are now empty
         gone = sorted({p.pid for p in procs} - {p.pid for p in survivors})
         return {"killed": gone, "remaining": sorted(p.pid for p in survivors)}
+
+
+def _still_running(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Those of ``procs`` still running after up to ``timeout_s`` (a zombie has ended).
+
+    Nothing is reaped here (``psutil.wait_procs`` would reap the server's own children):
+    whoever started a child reaps it, so a command's caller still learns its real exit
+    status (killed by a signal) instead of the 0 that ``Popen`` reports for a child reaped
+    behind its back.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        alive = []
+        for p in procs:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                if p.status() != psutil.STATUS_ZOMBIE:
+                    alive.append(p)
+        if not alive or time.monotonic() >= deadline:
+            return alive
+        time.sleep(_POLL_INTERVAL_S)

@@ -109,6 +109,11 @@ class CommandRequest(RequestModel):
 
     command: list[str] | str
     shell: bool = False
+    timeout: float | None = None
+    """Seconds the caller waits for the answer (not in OSWorld, whose servers ignore it): the
+    server ends the command by then, or by its own limit when that comes first, so that a
+    command its caller gave up on does not run on. None: the server's limit. ``/setup/launch``
+    ignores it (an app runs until a reset)."""
 
 
 class RunPythonRequest(RequestModel):

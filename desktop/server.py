@@ -9,7 +9,11 @@ shapes and status codes.
 
 Executing code is the point of this server: anyone who reaches it owns the desktop. Run it on
 an isolated machine, container or pod, keep it on loopback unless the network is trusted, and
-set a token (``--token-env``) when it listens anywhere else.
+set a token (``--token-env``) when it listens anywhere else. The server takes the token out of
+its environment once read, and every process it starts (commands, apps, scripts) gets an
+allowlisted environment (``desktop.processes.CHILD_ENV_ALLOW``; an image adds names with
+``$CUA_DESKTOP_ENV_ALLOW``, e.g. ``http_proxy,https_proxy``): what the model runs never sees
+the token or any other secret of the server's environment.
 
 Status codes are OSWorld's, including where OSWorld's come from an unhandled exception (then
 the body here says what went wrong instead of an HTML page):
@@ -17,7 +21,8 @@ the body here says what went wrong instead of an HTML page):
     any JSON endpoint       415 body not declared as JSON, 400 malformed JSON,
                             500 JSON that is not an object
     /execute                500 {status: error, message} when the command cannot start
-                            (missing ``command``, no such program) or exceeds its time limit
+                            (missing ``command``, no such program, a ``timeout`` that is
+                            not a positive number) or exceeds its time limit
     /setup/launch           500 {status: error, message} when the command cannot start
     /run_python             400 no ``code``; 500 over the time limit
     /run_bash_script        400 no ``script`` or no such ``working_dir``; 500 over the limit
@@ -39,19 +44,23 @@ the body here says what went wrong instead of an HTML page):
 
 Deliberate differences: a command's answer does not wait for processes it left in the
 background (OSWorld waits until they close its output pipes); every child runs in a session of
-its own and a time limit kills its whole process group; ``/run_python`` runs the server's own
-interpreter (the one with pyautogui); the recording is per server, not ``/tmp/recording.mp4``.
+its own and a time limit kills its whole process group; ``/execute`` takes an optional
+``timeout`` (seconds the caller waits) and ends the command by then when that comes before its
+own limit, so a command its caller gave up on does not run on; ``/run_python`` runs the
+server's own interpreter (the one with pyautogui); children get an allowlisted environment, not
+the server's; the recording is per server, not ``/tmp/recording.mp4``.
 
 Not in OSWorld, for resets: ``GET /apps`` lists the live processes the server started (apps of
-``/setup/launch`` and ``/setup/open_file``, and whatever commands left running, found by session
-id); ``POST /apps/kill`` ends them all (SIGTERM, SIGKILL after a grace) and answers
-``{killed: [pids], remaining: [pids]}``.
+``/setup/launch`` and ``/setup/open_file``, commands still running and whatever commands left
+running, found by session id); ``POST /apps/kill`` ends them all (SIGTERM, SIGKILL after a
+grace) and answers ``{killed: [pids], remaining: [pids]}``.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import hmac
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
@@ -140,6 +149,9 @@ def _parser() -> argparse.ArgumentParser:
         prog="python -m desktop.server",
         description="OSWorld-compatible desktop server for the X display in $DISPLAY. It runs "
         "any command it is sent: use it only on an isolated machine, container or pod.",
+        epilog="What it starts gets only the allowlisted part of its environment "
+        "(desktop.processes.CHILD_ENV_ALLOW); $CUA_DESKTOP_ENV_ALLOW adds names, comma- or "
+        "space-separated, NAME* for a prefix (e.g. 'http_proxy,https_proxy,no_proxy').",
     )
     d = ServerSettings()
     p.add_argument("--host", default="127.0.0.1", help="bind address (default: loopback)")
@@ -147,7 +159,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--token-env",
         metavar="NAME",
-        help="environment variable holding the bearer token every request must carry",
+        help="environment variable holding the bearer token every request must carry "
+        "(removed from the environment once read, so no child inherits it)",
     )
     for name, help_text in (
         ("execute_timeout_s", "time limit of /execute"),
@@ -171,11 +184,33 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _take_secret(name: str) -> str | None:
+    """The value of ``$name``, removed from this process's environment: from ``os.environ``,
+    so that no child inherits it, and from the block the kernel shows in
+    ``/proc/<pid>/environ``, which any process of the same user (whatever the model runs)
+    could read otherwise: ``unsetenv`` drops only the pointer to the string, not the string.
+    """
+    value = os.environ.get(name)
+    if value is None:
+        return None
+    prefix = f"{name}=".encode()
+    # The C environ array; at start-up its strings are that block, which is overwritten here.
+    environ = ctypes.POINTER(ctypes.c_void_p).in_dll(ctypes.CDLL(None), "environ")
+    i = 0
+    while (address := environ[i]) is not None:
+        entry = ctypes.string_at(address)
+        if entry.startswith(prefix):
+            ctypes.memset(address + len(prefix), 0, len(entry) - len(prefix))
+        i += 1
+    del os.environ[name]
+    return value
+
+
 def main(argv: list[str] | None = None) -> None:
     args = _parser().parse_args(argv)
     token = None
     if args.token_env:
-        token = os.environ.get(args.token_env)
+        token = _take_secret(args.token_env)
         if not token:
             _parser().error(f"--token-env names ${args.token_env}, which is not set")
     if not os.environ.get("DISPLAY"):

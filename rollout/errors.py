@@ -11,7 +11,8 @@
     │   ├── DesktopError            a desktop request failed or the desktop died (transient)
     │   │   ├── DesktopUnavailable  no desktop could be leased before the deadline (an outage)
     │   │   └── TaskSetupError      a task's setup step failed on the desktop
-    │   │       └── UnsupportedSetupStep   the task names a setup step we do not implement
+    │   │       ├── UnsupportedSetupStep   the task names a setup step we do not implement
+    │   │       └── BadTaskStep     a step's parameters are wrong or reach outside the task roots
     │   └── UnsupportedEvaluator    a task names a getter or metric we do not implement
     └── ModelRequestError           the model server refused the request (4xx): never retried;
                                     401/403/404 stop the run (no request can succeed)
@@ -33,6 +34,7 @@ from typing import ClassVar
 
 __all__ = [
     "ActionParseError",
+    "BadTaskStep",
     "ConfigError",
     "DesktopError",
     "DesktopUnavailable",
@@ -133,6 +135,13 @@ class TaskSetupError(DesktopError):
 
 class UnsupportedSetupStep(TaskSetupError):
     """A task's ``config`` names a setup step this client does not implement."""
+
+    retryable = False  # every attempt would hit it
+
+
+class BadTaskStep(TaskSetupError):
+    """A setup step's parameters are malformed, or name a host file outside the directories
+    tasks may read (``desktops.download_cache_dir``, ``desktops.task_file_roots``)."""
 
     retryable = False  # every attempt would hit it
 

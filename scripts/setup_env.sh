@@ -45,8 +45,9 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 apt_packages=(xvfb openbox xterm mousepad galculator wmctrl xdotool xclip ffmpeg
               at-spi2-core python3-pyatspi dbus dbus-x11 x11-utils x11-xserver-utils
               fonts-dejavu-core procps xdg-utils)
-# Only the tests need a browser (the trajectory viewer is checked in headless chromium).
-[ "$dev" = 1 ] && apt_packages+=(chromium)
+# Only the tests need a browser (the trajectory viewer is checked in headless chromium)
+# and OCR (the secrets test reads the screenshot of a terminal with tesseract).
+[ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do

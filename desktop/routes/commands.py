@@ -7,7 +7,14 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from desktop.commands import read_command, run_bash_script, run_command, run_python, working_dir
+from desktop.commands import (
+    read_command,
+    run_bash_script,
+    run_command,
+    run_python,
+    time_limit,
+    working_dir,
+)
 from desktop.errors import CommandError, CommandTimeout, NoSuchPath
 from desktop.protocol import (
     CommandReply,
@@ -28,9 +35,10 @@ router = APIRouter()
 async def execute(request: Request, state: State) -> JSONResponse:
     data = await read_json(request)
     try:
+        command = read_command(data)
         result = await run_command(
-            read_command(data),
-            timeout_s=state.settings.execute_timeout_s,
+            command,
+            timeout_s=time_limit(command, state.settings.execute_timeout_s),
             env=state.env,
             tracker=state.apps,
         )

@@ -51,6 +51,9 @@ _RETRY_BACKOFF_MAX_S = 2.0
 _HEALTH_TIMEOUT_S = 5.0
 # Longest error text quoted from a desktop's reply.
 _ERROR_TEXT_CHARS = 300
+# Of a command request's deadline, the part left to the desktop server for killing a command
+# that overran and answering: it is told to end the command this much earlier.
+_COMMAND_KILL_MARGIN_S = 2.0
 
 
 # --------------------------------------------------------------------------- shared client
@@ -157,8 +160,10 @@ class RemoteDesktopEnv:
             if action == WAIT:
                 await asyncio.sleep(pause_s)
             return StepResult(action, duration_s=time.monotonic() - started)
-        body = CommandRequest(command=execute_command(action, self._python)).body()
-        reply = await self._json("POST", Paths.EXECUTE, json=body, idempotent=False)
+        timeout_s = self.cfg.request_timeout_s
+        body = _command(execute_command(action, self._python), False, timeout_s)
+        reply = await self._json("POST", Paths.EXECUTE, json=body, idempotent=False,
+                                 timeout_s=timeout_s)
         result = StepResult(
             action,
             returncode=reply.get("returncode"),
@@ -193,10 +198,9 @@ class RemoteDesktopEnv:
         self, command: list[str] | str, *, shell: bool = False, timeout_s: float | None = None
     ) -> dict[str, Any]:
         """``/execute``: ``{status, output, error, returncode}``."""
-        return await self._json(
-            "POST", Paths.EXECUTE, json=CommandRequest(command=command, shell=shell).body(),
-            idempotent=False, timeout_s=timeout_s,
-        )
+        timeout_s = timeout_s or self.cfg.request_timeout_s
+        return await self._json("POST", Paths.EXECUTE, json=_command(command, shell, timeout_s),
+                                idempotent=False, timeout_s=timeout_s)
 
     async def run_python(self, code: str) -> dict[str, Any]:
         return await self._json("POST", Paths.RUN_PYTHON,
@@ -259,11 +263,10 @@ class RemoteDesktopEnv:
     async def setup_execute(self, command: list[str] | str, shell: bool = False
                             ) -> dict[str, Any]:
         """``/setup/execute``: run a command to its end; ``{status, output, error, returncode}``."""
-        return await self._json(
-            "POST", Paths.SETUP_EXECUTE,
-            json=CommandRequest(command=command, shell=shell).body(),
-            idempotent=False, timeout_s=self.cfg.setup_timeout_s,
-        )
+        timeout_s = self.cfg.setup_timeout_s
+        return await self._json("POST", Paths.SETUP_EXECUTE,
+                                json=_command(command, shell, timeout_s),
+                                idempotent=False, timeout_s=timeout_s)
 
     async def open_file(self, path: str) -> None:
         """``/setup/open_file``: open a file (or start a program) and wait for its window."""
@@ -359,3 +362,12 @@ class RemoteDesktopEnv:
                 continue
             raise DesktopError(f"{self.name}{path}: HTTP {response.status_code}: {detail}")
         raise DesktopError(f"{self.name}{path}: {last} after {attempts} attempt(s)")
+
+
+def _command(command: list[str] | str, shell: bool, timeout_s: float) -> dict[str, Any]:
+    """The body of a command the client waits ``timeout_s`` for: it carries that deadline,
+    less the server's margin, so that our desktop server ends the command (and says so)
+    before the client gives up on it, instead of letting it run on into the next episode
+    (OSWorld's own servers ignore it)."""
+    deadline = max(timeout_s - _COMMAND_KILL_MARGIN_S, timeout_s / 2)
+    return CommandRequest(command=command, shell=shell, timeout=deadline).body()

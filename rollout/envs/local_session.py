@@ -6,6 +6,11 @@ Every process of a session carries ``CUA_DESKTOP_ID`` in its environment (childr
 it), so reset kills exactly this desktop's apps, wherever they were started from. Pids are
 recorded with their start times in ``<state_dir>/<id>/session.json``, so the desktops of a
 crashed run are found and removed at the next start, never by process name.
+
+A session starts from the allowlisted part of the controller's environment
+(``desktop.processes.allowed_env``), never all of it: the controller's holds the model's API
+key, cloud and Hugging Face credentials, and whatever a desktop's process can read, the model
+can print. The desktop server alone receives the bearer token, and removes it once read.
 """
 
 from __future__ import annotations
@@ -27,17 +32,29 @@ import psutil
 import desktop
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.errors import DisplayError
+from desktop.processes import DESKTOP_ID_VAR, allowed_env
 from rollout.errors import DesktopError
 
 __all__ = ["MARKER", "SESSION_FILE", "LocalDesktopSession", "sweep_stale_sessions"]
 
-MARKER = "CUA_DESKTOP_ID"
+MARKER = DESKTOP_ID_VAR
 SESSION_FILE = "session.json"
 AT_SPI_LAUNCHER = "/usr/libexec/at-spi-bus-launcher"
 # Openbox's settings for every desktop: fixed window placement (the demo tasks' reference
 # solutions click at fixed coordinates) and no binding a stray scroll or hotkey could trigger.
 OPENBOX_RC = Path(desktop.__file__).with_name("openbox-rc.xml")
 _HOME_DIRS = ("Desktop", "Documents", "Downloads")
+# Variables of the controller's own desktop session, if it runs in one: a local desktop has
+# its own bus, accessibility bus, X authority and HOME, and must not reach the controller's.
+_CONTROLLER_SESSION_VARS = (
+    "DBUS_SESSION_BUS_ADDRESS",
+    "AT_SPI_BUS_ADDRESS",
+    "XAUTHORITY",
+    "XDG_CACHE_HOME",
+    "XDG_CONFIG_HOME",
+    "XDG_DATA_HOME",
+    "XDG_STATE_HOME",
+)
 _STOP_TIMEOUT_S = 5.0
 
 
@@ -84,7 +101,9 @@ class LocalDesktopSession:
             # stop and the stale sweep remove even when a process was killed mid-way.
             tmp = self.dir / "tmp"
             tmp.mkdir(exist_ok=True)
-            base = dict(os.environ)
+            base = allowed_env(os.environ)
+            for name in _CONTROLLER_SESSION_VARS:
+                base.pop(name, None)
             base.update(
                 {
                     MARKER: self.id,
@@ -94,7 +113,6 @@ class LocalDesktopSession:
                     "NO_AT_BRIDGE": "0",
                 }
             )
-            base.pop("DBUS_SESSION_BUS_ADDRESS", None)
             wm = self.window_manager
             self.display = XvfbDisplay(
                 self.width,
@@ -102,6 +120,7 @@ class LocalDesktopSession:
                 window_manager=[wm, "--config-file", str(OPENBOX_RC)] if wm == "openbox" else wm,
                 tmp_dir=tmp,
                 start_timeout_s=max(1.0, deadline - time.monotonic()),
+                base_env=base,
             )
             try:
                 self.display.start()
@@ -227,7 +246,7 @@ class LocalDesktopSession:
         try:
             return subprocess.Popen(
                 argv,
-                env=self._env,
+                env=kw.pop("env", self._env),
                 stdin=subprocess.DEVNULL,
                 stdout=kw.pop("stdout", log),
                 stderr=log,
@@ -263,21 +282,25 @@ class LocalDesktopSession:
     def _start_server(self, deadline: float) -> str:
         port = _free_port()
         argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port)]
-        if self.token_env:
-            argv += ["--token-env", self.token_env]
         # Apps the server launches start in the desktop's HOME, as on a real desktop; the
         # desktop package stays importable for the server through PYTHONPATH (its parent
-        # directory: the server needs desktop/ alone).
+        # directory: the server needs desktop/ alone), which its children do not inherit.
         root = str(Path(desktop.__file__).resolve().parent.parent)
-        self._env["PYTHONPATH"] = os.pathsep.join(
+        env = dict(self._env)
+        env["PYTHONPATH"] = os.pathsep.join(
             p for p in (root, os.environ.get("PYTHONPATH", "")) if p
         )
-        proc = self._spawn("server", argv, cwd=str(self.home))
+        headers = {}
+        if self.token_env:
+            argv += ["--token-env", self.token_env]
+            # The only process given the token; the server removes it from its environment.
+            token = os.environ.get(self.token_env)
+            if token:
+                env[self.token_env] = token
+                headers["Authorization"] = f"Bearer {token}"
+        proc = self._spawn("server", argv, cwd=str(self.home), env=env)
         self._procs["server"] = proc
         url = f"http://127.0.0.1:{port}"
-        headers = {}
-        if self.token_env and os.environ.get(self.token_env):
-            headers["Authorization"] = f"Bearer {os.environ[self.token_env]}"
         while True:
             if proc.poll() is not None:
                 log = (self.dir / "server.log").read_text(errors="replace")[-800:]

@@ -1,7 +1,12 @@
 """OSWorld's task setup steps (``task["config"]``, evaluators' ``postconfig``), interpreted
 on a desktop: a registry from step type to handler, the placeholders task files use
 (``{CLIENT_PASSWORD}``, ``{SCREEN_WIDTH}`` ...) and the local download cache (there is no
-network here: a ``download`` step's file must already be cached)."""
+network here: a ``download`` step's file must already be cached).
+
+Task files are not trusted with this host's files: every local file a task names is read only
+when it resolves into ``desktops.download_cache_dir`` (``confined_path``). Otherwise a task
+could upload ``/proc/self/environ`` (the model's API key) or ``~/.ssh/id_rsa`` to the desktop,
+where the model reads it."""
 
 from __future__ import annotations
 
@@ -9,14 +14,20 @@ import asyncio
 import os
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any, Protocol
 
 from config import DesktopsConfig
-from rollout.errors import ConfigError, DesktopError, TaskSetupError, UnsupportedSetupStep
+from rollout.errors import (
+    BadTaskStep,
+    ConfigError,
+    DesktopError,
+    TaskSetupError,
+    UnsupportedSetupStep,
+)
 
-__all__ = ["STEP_TYPES", "SetupTarget", "cached_download", "run_setup_step"]
+__all__ = ["STEP_TYPES", "SetupTarget", "cached_download", "confined_path", "run_setup_step"]
 
 # How often an ``execute`` step with ``until`` runs its command again.
 _UNTIL_POLL_INTERVAL_S = 0.3
@@ -66,7 +77,7 @@ async def run_setup_step(desktop: SetupTarget, step: Mapping[str, Any], index: i
     try:
         await handler(desktop, **params)
     except (TypeError, ValueError) as exc:  # ValueError: the protocol's models refused them
-        raise TaskSetupError(f"{where}: bad parameters for {kind!r}: {exc}") from exc
+        raise BadTaskStep(f"{where}: bad parameters for {kind!r}: {exc}") from exc
     except DesktopError as exc:
         if isinstance(exc, TaskSetupError):
             raise
@@ -119,13 +130,17 @@ async def _close_window(desktop: SetupTarget, window_name: str, strict: bool = F
 
 
 async def _upload_file(desktop: SetupTarget, files: list[Mapping[str, str]]) -> None:
-    for f in files:
-        local = Path(f["local_path"])
+    """Each ``local_path`` (relative: to the working directory, as OSWorld reads it) must
+    lie in the download cache or a task root (``desktops.task_file_roots``: run.py adds the
+    task source's folder); ``ValueError`` otherwise, before any file is read."""
+    roots = [Path(desktop.cfg.download_cache_dir), *desktop.cfg.task_file_roots]
+    uploads = [(confined_path(f["local_path"], roots), f["path"]) for f in files]
+    for local, path in uploads:
         try:
             data = await asyncio.to_thread(local.read_bytes)
         except OSError as exc:
             raise TaskSetupError(f"upload_file: cannot read {local}: {exc.strerror}") from exc
-        await desktop.upload(f["path"], data)
+        await desktop.upload(path, data)
 
 
 async def _download(desktop: SetupTarget, files: list[Mapping[str, str]]) -> None:
@@ -155,9 +170,24 @@ STEP_TYPES: dict[str, Handler] = {
 # --------------------------------------------------------------------------- helpers
 
 
+def confined_path(path: str | os.PathLike[str], roots: Iterable[Path]) -> Path:
+    """``path`` resolved (symlinks followed), when that is a path under one of ``roots``
+    (resolved too): the only files on this host a task may have read. Raises ``ValueError``
+    naming the path and the roots otherwise; nothing is read."""
+    resolved = Path(path).resolve()
+    allowed = [Path(root).resolve() for root in roots]
+    if not any(resolved != root and resolved.is_relative_to(root) for root in allowed):
+        raise ValueError(
+            f"{os.fspath(path)!r} (resolved: {resolved}) is outside the directories tasks "
+            f"may read files from on this host: {', '.join(map(str, allowed))}"
+        )
+    return resolved
+
+
 def cached_download(cache: Path, url: str, path: str, task_id: str | None) -> Path:
     """The local copy of a task's download: OSWorld's cache layout first (an existing
-    OSWorld cache works as is), then ``<cache>/<task_id>/<name>`` and ``<cache>/<name>``."""
+    OSWorld cache works as is), then ``<cache>/<task_id>/<name>`` and ``<cache>/<name>``.
+    The copy must resolve into ``cache``: ``ValueError`` for one linked out of it."""
     base = os.path.basename(path)
     candidates = [cache / f"{uuid.uuid5(uuid.NAMESPACE_URL, url)}_{base}"]
     if task_id:
@@ -165,7 +195,7 @@ def cached_download(cache: Path, url: str, path: str, task_id: str | None) -> Pa
     candidates += [cache / base, cache / os.path.basename(url.split("?", 1)[0])]
     for candidate in candidates:
         if candidate.is_file():
-            return candidate
+            return confined_path(candidate, [cache])
     raise TaskSetupError(
         f"download of {url} to {path}: not in the local cache (looked for "
         f"{', '.join(str(c) for c in candidates)}); there is no network here, so put the "

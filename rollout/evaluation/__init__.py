@@ -4,7 +4,8 @@ Getters (``getters.py``) fetch a state from the desktop (a file, a command's out
 accessibility tree) or from the task (rules, cached files); metrics (``metrics.py``) compare
 it with what is expected. An unknown getter or metric raises ``UnsupportedEvaluator``: the
 episode is then an infrastructure error, never a silent 0. The desktop is reached only
-through ``rollout.envs.contract.DesktopProbe``.
+through ``rollout.envs.contract.DesktopProbe``. A metric reads only files of this evaluation
+or of the task's cache (``EvalContext.readable_roots``), whatever path the task gives it.
 """
 
 from __future__ import annotations
@@ -17,11 +18,17 @@ from typing import Any
 
 from rollout.envs.contract import FAIL, DesktopProbe
 from rollout.errors import UnsupportedEvaluator
-from rollout.evaluation.getters import GETTERS, EvalContext
-from rollout.evaluation.metrics import METRICS, Metric
+from rollout.evaluation.getters import GETTERS, EvalContext, local_file
+from rollout.evaluation.metrics import METRICS, Metric, check_list, compare_text_file
 from rollout.types import is_infeasible
 
 __all__ = ["GETTERS", "METRICS", "evaluate"]
+
+# How many of a metric's first arguments (result, expected) are paths of files it reads. A
+# ``rule`` getter hands a metric any string the task holds: it must not name a file of this
+# host outside the evaluation's own (``/proc/self/environ``, a key), or the score becomes an
+# oracle on that file.
+_FILE_ARGUMENTS: dict[Metric, int] = {compare_text_file: 2, check_list: 1}
 
 
 async def evaluate(
@@ -70,13 +77,16 @@ async def _score(ctx: EvalContext, spec: Mapping[str, Any], funcs: Any) -> float
         raise UnsupportedEvaluator(f"evaluator conj {conj!r} (expected 'and' or 'or')")
 
     scores: list[float] = []
-    for metric, result_cfg, expected_cfg, opts in zip(
-        metrics, results, expecteds, options, strict=True
+    for name, metric, result_cfg, expected_cfg, opts in zip(
+        names, metrics, results, expecteds, options, strict=True
     ):
         result = await _get(ctx, result_cfg) if result_cfg else None
         args = [result]
         if expected_cfg:
             args.append(await _get(ctx, expected_cfg))
+        for path in args[: _FILE_ARGUMENTS.get(metric, 0)]:
+            if isinstance(path, str) and path:
+                local_file(path, ctx.readable_roots(), f"metric {name}")
         # Metrics read files: off the event loop.
         score = float(await asyncio.to_thread(metric, *args, **(opts or {})))
         scores.append(score)

@@ -1,6 +1,11 @@
 """OSWorld's getters: each fetches one state for a metric, from the desktop through the
 ``DesktopProbe`` (a file, a command's output, the accessibility tree) or from the task (rules,
-files cached with the task). ``GETTERS`` maps the names task files use to them."""
+files cached with the task). ``GETTERS`` maps the names task files use to them.
+
+Local paths a task names stay in their directory (``confined_path``): a cached file in the
+cache, a fetched file in the evaluation's scratch directory. A task could otherwise make a
+metric read any file of this host (``/proc/self/environ`` holds the model's API key) and
+turn its score into an oracle on it."""
 
 from __future__ import annotations
 
@@ -12,10 +17,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout.envs.contract import DesktopProbe
+from rollout.envs.setup_steps import confined_path
 from rollout.errors import UnsupportedEvaluator
 
 __all__ = ["GETTERS", "EvalContext", "Getter", "get_accessibility_tree", "get_cache_file",
-           "get_rule", "get_vm_command_line", "get_vm_file", "get_vm_terminal_output"]
+           "get_rule", "get_vm_command_line", "get_vm_file", "get_vm_terminal_output",
+           "local_file"]
 
 
 @dataclass(frozen=True)
@@ -28,8 +35,21 @@ class EvalContext:
     task_id: str | None
     scratch: Path
 
+    def readable_roots(self) -> list[Path]:
+        """The only directories of this host whose files scoring may read."""
+        return [self.scratch, self.cache_dir]
+
 
 Getter = Callable[[EvalContext, Mapping[str, Any]], Awaitable[Any]]
+
+
+def local_file(path: str | os.PathLike[str], roots: list[Path], what: str) -> Path:
+    """``path`` resolved, when it lies under one of ``roots`` (``confined_path``); else
+    ``UnsupportedEvaluator`` naming ``what`` asked for it, the path and the roots."""
+    try:
+        return confined_path(path, roots)
+    except ValueError as exc:
+        raise UnsupportedEvaluator(f"{what}: {exc}") from None
 
 
 async def get_vm_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
@@ -41,11 +61,11 @@ async def get_vm_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
         pairs = [(cfg["path"], cfg.get("dest") or os.path.basename(cfg["path"]))]
     out: list[str | None] = []
     for remote, dest in pairs:
+        local = local_file(ctx.scratch / os.path.basename(dest), [ctx.scratch], "vm_file dest")
         data = await ctx.probe.get_file(remote)
         if data is None:
             out.append(None)
             continue
-        local = ctx.scratch / os.path.basename(dest)
         await asyncio.to_thread(local.write_bytes, data)
         out.append(str(local))
     return out if cfg.get("multi") else out[0]
@@ -70,11 +90,13 @@ async def get_rule(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
 
 
 async def get_cache_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
-    """A file the task ships (expected outputs), under ``desktops.download_cache_dir``."""
+    """A file the task ships (expected outputs), under ``desktops.download_cache_dir``;
+    ``UnsupportedEvaluator`` when ``path`` leads out of it (absolute, ``..``, a symlink)."""
     root = ctx.cache_dir
     for candidate in (root / (ctx.task_id or "") / cfg["path"], root / cfg["path"]):
-        if candidate.is_file():
-            return str(candidate)
+        local = local_file(candidate, [root], "cache_file")
+        if local.is_file():
+            return str(local)
     raise UnsupportedEvaluator(f"cache_file {cfg['path']!r} is not in {root}")
 
 

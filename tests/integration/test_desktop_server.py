@@ -18,6 +18,7 @@ import os
 import secrets
 import select
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -25,6 +26,7 @@ import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -462,6 +464,58 @@ async def test_time_limits_end_commands_and_their_children(
         "error": "",
         "returncode": -1,
     }
+
+
+def test_a_command_ends_at_its_callers_deadline(server: Server, session: Session) -> None:
+    """A ``timeout`` shorter than the server's limit ends the command then: it does not run
+    on after its caller gave up."""
+    pid_file = session.home / "deadline.pid"
+    started = time.monotonic()
+    r = server.post_json(
+        "/execute",
+        {"command": f"echo $$ > {pid_file}; exec sleep {SLEEP_FOREVER_S}", "shell": True,
+         "timeout": 1},
+        timeout=LIMITED_REQUEST_TIMEOUT_S,
+    )  # fmt: skip
+    assert r.status_code == 500, r.text
+    assert "timed out after 1 seconds" in r.json()["message"]
+    assert time.monotonic() - started < EXECUTE_LIMIT_S
+    assert _gone(int(pid_file.read_text()))
+    for bad in (0, -1, "soon", True):
+        r = server.post_json("/execute", {"command": ["true"], "timeout": bad})
+        assert r.status_code == 500
+        assert "timeout must be a positive number" in r.json()["message"]
+
+
+def test_apps_kill_ends_a_command_while_it_runs(apps: Server, session: Session) -> None:
+    """A command whose caller gave up still belongs to the server while it runs: a reset's
+    ``/apps/kill`` ends it, and the answer, if anyone still waits, says it was killed."""
+    pid_file = session.home / "running.pid"
+    body = {"command": f"echo $$ > {pid_file}; exec sleep {SLEEP_FOREVER_S}", "shell": True}
+    with ThreadPoolExecutor(1) as waiter:
+        answer = waiter.submit(
+            httpx.post,
+            f"{apps.url}/execute",
+            json=body,
+            headers=dict(apps.client.headers),
+            timeout=LIMITED_REQUEST_TIMEOUT_S,
+        )
+        running = wait_for(
+            lambda: [
+                a
+                for a in apps.client.get("/apps").json()["apps"]
+                if a["cmdline"] == ["sleep", str(SLEEP_FOREVER_S)]
+            ],
+            "the running command in /apps",
+        )
+        assert [a["source"] for a in running] == ["execute"]
+        assert running[0]["pid"] == int(pid_file.read_text())
+        killed = apps.client.post("/apps/kill").json()
+        assert running[0]["pid"] in killed["killed"] and killed["remaining"] == []
+        r = answer.result(timeout=WAIT_TIMEOUT_S)
+    assert r.status_code == 200, r.text
+    assert r.json()["returncode"] == -signal.SIGTERM
+    assert _gone(running[0]["pid"])
 
 
 def test_run_python_reports_output_errors_and_return_code(server: Server) -> None:

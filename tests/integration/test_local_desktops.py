@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 
 import psutil
@@ -24,6 +25,7 @@ from env_k8s import (
     check_desktop_env,
 )
 from rollout.envs.local_session import MARKER, SESSION_FILE, sweep_stale_sessions
+from rollout.errors import DesktopError
 from tests import support
 from tests.support import REPO_ROOT
 
@@ -105,6 +107,23 @@ async def test_actions_reach_the_desktop(pool):
     assert result.ok, result
     assert await env.cursor_position() == (123, 321)
     assert (await env.step("WAIT", pause_s=0.01)).returncode is None
+    await pool.release(lease.lease_id)
+
+
+async def test_an_action_is_ended_by_the_server_before_the_client_gives_up(pool, tmp_path):
+    """The client sends its deadline with an action; the server ends the action before it,
+    so a slow action never runs on after the episode moved on (into the next one)."""
+    lease = await pool.lease("ep-slow")
+    cfg = pool.cfg.model_copy(update={"request_timeout_s": 3.0})
+    env = RemoteDesktopEnv(lease.url, cfg, name=lease.desktop_id)
+    pid_file = tmp_path / "action.pid"
+    action = f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    started = time.monotonic()
+    with pytest.raises(DesktopError, match=r"timed out after 1\.5 seconds"):
+        await env.step(action)
+    assert time.monotonic() - started < cfg.request_timeout_s
+    pid = int(pid_file.read_text())
+    assert not psutil.pid_exists(pid) or psutil.Process(pid).status() == psutil.STATUS_ZOMBIE
     await pool.release(lease.lease_id)
 
 

@@ -94,6 +94,7 @@ desktops:
   token_env: DESKTOP_TOKEN
   client_password_env: VM_PASSWORD
   download_cache_dir: /data/cache
+  task_file_roots: [/data/osworld]
   local: {state_dir: /tmp/d, window_manager: openbox, home_template: /tmp/home, start_timeout_s: 30}
   static: {urls: ["http://10.0.0.1:5000", "http://10.0.0.2:5000"], reset_command: [bash, reset.sh],
            retry_quarantined_s: 60}
@@ -343,3 +344,19 @@ def test_a_lease_must_outlive_everything_its_episode_does(tmp_path):
         load_config(None, ["runner.episode_timeout_s=3600"])
     cfg = load_config(None, ["runner.episode_timeout_s=3600", "desktops.lease_max_s=5000"])
     assert cfg.desktops.lease_max_s == 5000
+
+
+def test_the_run_makes_paths_absolute_and_adds_the_task_folders_to_the_task_roots(tmp_path):
+    """Review M5: upload_file may read the task set's own files (the folder of tasks.source,
+    tasks.examples_dir) and the download cache, nothing else; run.py says which they are."""
+    import run
+
+    (tmp_path / "osworld" / "examples").mkdir(parents=True)
+    source = tmp_path / "osworld" / "test_all.json"
+    source.write_text("{}")
+    cfg = run._absolute_paths(load_config(None, [
+        f"tasks.source={source}", f"tasks.examples_dir={tmp_path / 'osworld' / 'examples'}",
+        "desktops.download_cache_dir=cache"]))
+    assert cfg.desktops.task_file_roots == [(tmp_path / "osworld" / "examples").resolve(),
+                                            (tmp_path / "osworld").resolve()]
+    assert cfg.desktops.download_cache_dir.is_absolute()
