@@ -240,7 +240,8 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     storage = ray.remote(StorageActor).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
     ).remote(str(run_dir), cfg.storage)
-    repaired = ray.get(storage.start_run.remote(run_info), timeout=_CALL_TIMEOUT_S)
+    repaired = ray.get(storage.start_run.remote(
+        run_info, rerun_infra_errors=cfg.tasks.rerun_infra_errors), timeout=_CALL_TIMEOUT_S)
     pool = ray.remote(DesktopPool).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
     ).remote(cfg.desktops)

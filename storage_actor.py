@@ -6,6 +6,12 @@ the writes happen on a few writer tasks, each owning the episodes hashed to it, 
 episode's files are written in call order and ``record_result`` (the results.jsonl line)
 lands after that episode's other files. The queues are bounded: a caller that awaits its
 call waits for room, which is the backpressure runners feel when the disk falls behind.
+
+The storage never lies: a write that fails (disk full, I/O error) is remembered for its
+episode's attempt; ``finish_episode`` answers with it, so the runner turns the episode into an
+error instead of a result whose files are missing; ``record_result`` raises ``StorageError``
+when its line cannot be appended (a cut append is truncated back), so the coordinator stops
+the run instead of believing it recorded.
 """
 
 from __future__ import annotations
@@ -26,7 +32,8 @@ import aiofiles.os
 
 from config import StorageConfig
 from rollout.aio import call
-from rollout.files import append_text, read_json, repair_jsonl_tail, write_atomic
+from rollout.errors import StorageError
+from rollout.files import append_text, iter_jsonl, read_json, repair_jsonl_tail, write_atomic
 from rollout.layout import (
     EPISODE_FILE,
     MESSAGES_FILE,
@@ -34,11 +41,12 @@ from rollout.layout import (
     OSWORLD_RESULT_FILE,
     RESULTS_FILE,
     RUN_FILE,
+    SUPERSEDED_RESULTS_FILE,
     TASK_CONFIG_FILE,
     TRAJ_FILE,
 )
 
-__all__ = ["PART_BYTES", "EpisodeWriter", "StorageActor", "png_parts"]
+__all__ = ["PART_BYTES", "EpisodeWriter", "StorageActor", "compact_results", "png_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -74,6 +82,8 @@ class StorageActor:
         self._results_lock: asyncio.Lock | None = None
         self._attempts: dict[str, int] = {}  # episode -> attempt whose files are current
         self._dirs: dict[str, Path] = {}      # episode -> its directory, checked once
+        self._failed: dict[str, str] = {}     # episode -> first failed write of its attempt
+        self.last_error: str | None = None
         self._root = self.run_dir.resolve()
         self._run_info: dict[str, Any] = {}
         self.counters = {"steps": 0, "screenshots": 0, "episodes": 0, "results": 0,
@@ -81,12 +91,18 @@ class StorageActor:
 
     # ----------------------------------------------------------------- run
 
-    async def start_run(self, info: dict[str, Any]) -> dict[str, Any]:
-        """Create the run directory, repair a results.jsonl cut short by a crash, write
-        run.json (status ``running``). Returns what the repair found."""
+    async def start_run(self, info: dict[str, Any], *, rerun_infra_errors: bool = True
+                        ) -> dict[str, Any]:
+        """Create the run directory, repair a results.jsonl cut short by a crash, keep one
+        line per episode in it (``compact_results``; infra_error lines go too when they are
+        to be rerun), write run.json (status ``running``). Returns what was repaired."""
         self._ensure_writers()
         await aiofiles.os.makedirs(self.run_dir, exist_ok=True)
         cut = await asyncio.to_thread(repair_jsonl_tail, self.run_dir / RESULTS_FILE)
+        compacted = await asyncio.to_thread(
+            compact_results, self.run_dir / RESULTS_FILE,
+            self.run_dir / SUPERSEDED_RESULTS_FILE,
+            ("infra_error",) if rerun_infra_errors else (), fsync=self.cfg.fsync)
         previous = await asyncio.to_thread(read_json, self.run_dir / RUN_FILE)
         self._run_info = {
             **info,
@@ -101,7 +117,7 @@ class StorageActor:
             starts.append({k: previous.get(k) for k in ("started_at", "ended_at", "status")})
             self._run_info["previous_starts"] = starts
         await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
-        return {"results_tail_cut_bytes": cut}
+        return {"results_tail_cut_bytes": cut, "results_compacted": compacted}
 
     async def end_run(self, status: str, summary: dict[str, Any] | None = None) -> None:
         """Flush everything, then mark run.json ended with ``status``."""
@@ -143,15 +159,29 @@ class StorageActor:
         attempt: int,
         record: dict[str, Any],
         messages: list[dict[str, Any]] | None = None,
-    ) -> None:
-        """episode.json, result.txt (scored episodes) and messages.json of an attempt."""
-        await self._put(_Job("finish", episode_id, attempt,
-                             {"record": record, "messages": messages}))
+    ) -> str | None:
+        """episode.json, result.txt (scored episodes) and messages.json of an attempt; returns
+        once they are written, with None, or the first write of this attempt that failed."""
+        await self._wait(_Job("finish", episode_id, attempt,
+                              {"record": record, "messages": messages}))
+        if self._attempts.get(episode_id) != attempt:
+            return None  # superseded: its writes were dropped on purpose
+        return self._failed.get(episode_id)
 
     async def record_result(self, record: dict[str, Any]) -> None:
-        """The episode is final: append its line to results.jsonl (after its other files)."""
-        await self._put(_Job("result", record["episode_id"], int(record.get("attempt", 0)),
-                             {"record": record}))
+        """The episode is final: append its line to results.jsonl (after its other files).
+        Returns once it is written; ``StorageError`` if it could not be."""
+        try:
+            await self._wait(_Job("result", record["episode_id"],
+                                  int(record.get("attempt", 0)), {"record": record}))
+        except OSError as exc:
+            raise StorageError(f"{RESULTS_FILE}: {exc}") from exc
+
+    async def forget_episode(self, episode_id: str, attempt: int) -> None:
+        """An attempt that ends without a result line (cancelled): drop what is kept for it."""
+        if self._attempts.get(episode_id) == attempt:
+            for kept in (self._attempts, self._dirs, self._failed):
+                kept.pop(episode_id, None)
 
     async def write_metrics(self, sample: dict[str, Any]) -> None:
         await self._put(_Job("metrics", None, 0, {"sample": sample}))
@@ -168,7 +198,8 @@ class StorageActor:
         await asyncio.gather(*futures)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "queued": sum(q.qsize() for q in self._queues)}
+        return {**self.counters, "queued": sum(q.qsize() for q in self._queues),
+                "last_error": self.last_error}
 
     async def close(self) -> None:
         await self.flush()
@@ -194,19 +225,34 @@ class StorageActor:
         index = zlib.crc32(job.episode_id.encode()) % _WRITERS if job.episode_id else 0
         await self._queues[index].put(job)
 
+    async def _wait(self, job: _Job) -> None:
+        """Enqueue ``job`` and return once it is handled (raising what it raised)."""
+        job.done = asyncio.get_running_loop().create_future()
+        await self._put(job)
+        await job.done
+
     async def _writer(self, queue: asyncio.Queue[_Job]) -> None:
         while True:
             job = await queue.get()
+            error: Exception | None = None
             try:
                 await self._handle(job)
-            except Exception:
+            except Exception as exc:
                 # A failed write must not stop the writer (other episodes keep going); it is
-                # counted and logged with the episode it belongs to.
+                # counted, logged, and kept for the episode's attempt (finish_episode says so).
+                error = exc
                 self.counters["errors"] += 1
-                log.exception("storage: %s of %s failed", job.kind, job.episode_id)
+                self.last_error = f"{job.kind} of {job.episode_id}: {exc}"
+                log.error("storage: %s", self.last_error)
+                if (job.episode_id is not None and job.kind in ("begin", "step", "finish")
+                        and self._attempts.get(job.episode_id) == job.attempt):
+                    self._failed.setdefault(job.episode_id, f"{job.kind}: {exc}")
             finally:
                 if job.done is not None and not job.done.done():
-                    job.done.set_result(None)
+                    if error is not None and job.kind == "result":
+                        job.done.set_exception(error)
+                    else:
+                        job.done.set_result(None)
 
     def _episode_dir(self, episode_id: str) -> Path:
         path = self._dirs.get(episode_id)
@@ -230,14 +276,25 @@ class StorageActor:
         assert job.episode_id is not None
         if job.kind == "begin":
             self._attempts[job.episode_id] = job.attempt
+            self._failed.pop(job.episode_id, None)
             directory = self._episode_dir(job.episode_id)
             task = json.dumps(job.payload["task"], indent=2, ensure_ascii=False).encode()
             await asyncio.to_thread(_begin, directory, task, self.cfg.fsync)
             return
         if job.kind == "result":
             record = job.payload["record"]
-            self._attempts.pop(job.episode_id, None)
+            failed = self._failed.pop(job.episode_id, None)
+            begun = self._attempts.pop(job.episode_id, None)
+            directory = self._episode_dir(job.episode_id)
             self._dirs.pop(job.episode_id, None)
+            if failed is not None and record.get("status") != "infra_error":
+                # Its files are incomplete: never a result that claims them.
+                record = {**record, "status": "infra_error", "reward": None,
+                          "error": f"storage: {failed}"}
+            if begun != job.attempt:
+                # The directory holds another attempt's files (this one never got a desktop):
+                # it is rewritten so that the line and the directory describe one attempt.
+                await asyncio.to_thread(_rewrite_for, directory, record, self.cfg.fsync)
             assert self._results_lock is not None
             async with self._results_lock:
                 await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
@@ -291,7 +348,66 @@ def _step(directory: Path, name: str | None, png: bytes | None, line: str | None
     if png is not None and name:
         write_atomic(directory / name, png, fsync=fsync)
     if line is not None:
-        append_text(directory / TRAJ_FILE, line)
+        append_text(directory / TRAJ_FILE, line, fsync=fsync)
+
+
+def _rewrite_for(directory: Path, record: dict[str, Any], fsync: bool) -> None:
+    """An episode directory left by an earlier attempt, replaced by the final attempt's
+    episode.json (task_config.json, the task's, is kept)."""
+    if not directory.is_dir():
+        return
+    task = directory / TASK_CONFIG_FILE
+    keep = task.read_bytes() if task.is_file() else None
+    shutil.rmtree(directory, ignore_errors=True)
+    directory.mkdir(parents=True, exist_ok=True)
+    if keep is not None:
+        write_atomic(task, keep, fsync=fsync)
+    write_atomic(directory / EPISODE_FILE,
+                 json.dumps(record, indent=2, ensure_ascii=False, default=str).encode(),
+                 fsync=fsync)
+
+
+def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = (), *,
+                    fsync: bool = False) -> dict[str, int]:
+    """Keep one line per episode in results.jsonl: the last one, unless its status is in
+    ``drop_statuses`` (those episodes run again). Every line taken out (an earlier line of an
+    episode, a dropped one, a broken one) is appended to ``archive`` first, so nothing is
+    lost; the file is rewritten atomically, and only when something changes. Memory: one
+    index per episode, not the records."""
+    counts = {"kept": 0, "superseded": 0, "dropped": 0, "broken": 0}
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except FileNotFoundError:
+        return counts
+    last: dict[str, int] = {}
+    lines = text.splitlines()
+    status: dict[int, str] = {}
+    for line in iter_jsonl(text):
+        value = line.value
+        if line.error is None and isinstance(value, dict) and "episode_id" in value:
+            last[str(value["episode_id"])] = line.number
+            status[line.number] = str(value.get("status"))
+    keep = {n for n in last.values() if status[n] not in drop_statuses}
+    out, moved = [], []
+    for number, raw in enumerate(lines, start=1):
+        if not raw.strip():
+            continue
+        if number in keep:
+            out.append(raw)
+            counts["kept"] += 1
+            continue
+        moved.append(raw)
+        if number not in status:
+            counts["broken"] += 1
+        elif number in last.values():
+            counts["dropped"] += 1
+        else:
+            counts["superseded"] += 1
+    if moved:
+        append_text(archive, "\n".join(moved) + "\n", fsync=fsync)
+        write_atomic(path, ("\n".join(out) + "\n" if out else "").encode(), fsync=fsync)
+        log.warning("%s: %s", path, ", ".join(f"{k} {v}" for k, v in counts.items()))
+    return counts
 
 
 def _write_files(directory: Path, files: list[tuple[str, bytes]], fsync: bool) -> None:
@@ -331,9 +447,13 @@ class EpisodeWriter:
                          *(png_parts(png) if png is not None and png_name else ()))
 
     async def finish(self, record: dict[str, Any],
-                     messages: list[dict[str, Any]] | None) -> None:
-        """episode.json, result.txt and messages.json of the attempt."""
-        await self._send("finish_episode", record, messages)
+                     messages: list[dict[str, Any]] | None) -> str | None:
+        """episode.json, result.txt and messages.json of the attempt, written; returns None,
+        or the first write of the attempt that failed (its files are incomplete)."""
+        await self.flush()
+        result: str | None = await call(self.storage, "finish_episode", self.episode_id,
+                                        self.attempt, record, messages)
+        return result
 
     async def flush(self) -> None:
         """Wait for the call in flight."""

@@ -20,7 +20,7 @@ from typing import Any
 
 from config import TasksConfig
 from rollout.errors import ConfigError
-from rollout.files import iter_jsonl
+from rollout.files import iter_jsonl, iter_jsonl_lines
 from rollout.layout import RESULTS_FILE
 from rollout.types import SCORED_STATUSES, EpisodeSpec
 
@@ -365,6 +365,8 @@ class TaskLoader:
         self._handed_out: dict[str, set[int]] = {}
         self._finished: dict[str, set[int]] = {}
         self._rewards: dict[str, deque[float]] = {}
+        # total_known() between changes: the driver asks twice a second, a week long (L2).
+        self._total: int | None = None
         self._read_results()
 
     # ----------------------------------------------------------------- public
@@ -380,6 +382,7 @@ class TaskLoader:
             return []
         self._refresh()
         self._polled = True
+        self._total = None
         specs: list[EpisodeSpec] = []
         for t in self._tasks:
             group = f"{t.domain}/{t.task_id}"
@@ -397,6 +400,7 @@ class TaskLoader:
         an infra error, is not a score and is ignored)."""
         if reward is None:
             return
+        self._total = None  # the rate may change a task's rollout number
         window = self._rewards.setdefault(
             f"{domain}/{task_id}", deque(maxlen=self.cfg.dynamic_rollouts.window)
         )
@@ -420,13 +424,17 @@ class TaskLoader:
         return n
 
     def total_known(self) -> int:
-        """Episodes of all tasks known so far, finished ones included (the progress total)."""
+        """Episodes of all tasks known so far, finished ones included (the progress total);
+        computed again only after a poll or a result."""
+        if self._total is not None:
+            return self._total
         total = 0
         for t in self._tasks:
             group = f"{t.domain}/{t.task_id}"
             rollouts = set(range(self.rollouts_for(t.task_id, t.domain)))
             rollouts |= self._handed_out.get(group, set()) | self._finished.get(group, set())
             total += len(rollouts)
+        self._total = total
         return total
 
     def finished_before(self) -> int:
@@ -486,27 +494,34 @@ class TaskLoader:
                 logger.warning("task skipped: %s", problem)
 
     def _read_results(self) -> None:
-        """Resume: every episode with a line in results.jsonl is finished, whatever its
-        status (an infra_error line was already retried up to max_retries)."""
+        """Resume: an episode is finished when its last line in results.jsonl (a rerun's
+        line supersedes an earlier one) has a final status: any but ``infra_error`` when
+        ``tasks.rerun_infra_errors`` (the default), any at all otherwise. Read as a stream:
+        what is kept is the last status and reward per episode, not the records."""
         path = self.run_dir / RESULTS_FILE
+        last: dict[tuple[str, str, int], tuple[Any, Any]] = {}
         try:
-            text = path.read_text(encoding="utf-8", errors="replace")
+            with open(path, encoding="utf-8", errors="replace") as f:
+                for line in iter_jsonl_lines(f):
+                    record = line.value
+                    try:
+                        if line.error is not None:
+                            raise line.error
+                        key = self._episode_key(record)
+                    except (KeyError, TypeError, ValueError) as exc:
+                        # A crash can cut the last line short; that episode simply runs again.
+                        logger.warning("%s:%d: unreadable result line skipped (%s)", path,
+                                       line.number, exc)
+                        continue
+                    last[key] = (record.get("status"), record.get("reward"))
         except FileNotFoundError:
             return
-        for line in iter_jsonl(text):
-            record = line.value
-            try:
-                if line.error is not None:
-                    raise line.error
-                domain, task_id, rollout = self._episode_key(record)
-            except (KeyError, TypeError, ValueError) as exc:
-                # A crash can cut the last line short; that episode simply runs again.
-                logger.warning("%s:%d: unreadable result line skipped (%s)", path,
-                               line.number, exc)
+        rerun = self.cfg.rerun_infra_errors
+        for (domain, task_id, rollout), (status, reward) in last.items():
+            if rerun and status == "infra_error":
                 continue
             self._finished.setdefault(f"{domain}/{task_id}", set()).add(rollout)
-            reward = record.get("reward")
-            if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
+            if status in SCORED_STATUSES and isinstance(reward, int | float):
                 self.record_result(task_id, domain, reward)
 
     @staticmethod

@@ -11,13 +11,17 @@ import logging
 import os
 import socket
 import uuid
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DirectoryLock", "JsonLine", "LockHeld", "append_text", "iter_jsonl", "read_json",
-           "repair_jsonl_tail", "write_atomic"]
+__all__ = ["DirectoryLock", "JsonLine", "LockHeld", "append_text", "fsync_dir", "iter_jsonl",
+           "iter_jsonl_lines",
+           "read_json", "repair_jsonl_tail", "write_atomic"]
+
+# How much of a JSONL file's end is read at a time to find its last newline.
+_TAIL_CHUNK_BYTES = 64 * 1024
 
 log = logging.getLogger(__name__)
 
@@ -43,6 +47,8 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = False, mode: int = 0o
             mtime_ns = min_mtime_ns + 1_000
             os.utime(tmp, ns=(st.st_atime_ns, mtime_ns))
         os.replace(tmp, path)
+        if fsync:  # the rename itself survives a power loss only once the directory is synced
+            fsync_dir(path.parent)
     except BaseException:
         with contextlib.suppress(OSError):
             os.remove(tmp)
@@ -50,13 +56,37 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = False, mode: int = 0o
     return mtime_ns
 
 
+def fsync_dir(directory: Path) -> None:
+    """Make the directory's entries (a rename, a new file) durable."""
+    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def append_text(path: Path, text: str, *, fsync: bool = False) -> None:
-    """Append ``text`` (whole lines) to ``path`` and push it to the OS."""
-    with open(path, "a", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        if fsync:
-            os.fsync(f.fileno())
+    """Append ``text`` (whole lines) to ``path`` and push it to the OS, all or nothing: a
+    write that fails part-way (disk full) is cut back to the file's size before it, so the
+    next append never glues onto half a line."""
+    data = text.encode("utf-8")
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    try:
+        size = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if fsync:
+                os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, size)
+            raise
+    finally:
+        os.close(fd)
+    if fsync and size == 0:
+        fsync_dir(path.parent)  # a file just created: its directory entry too
 
 
 def read_json(path: Path) -> Any:
@@ -73,14 +103,26 @@ def repair_jsonl_tail(path: Path) -> int:
     is written again); returns the bytes removed."""
     try:
         with open(path, "rb+") as f:
-            data = f.read()
-            if not data or data.endswith(b"\n"):
+            size = f.seek(0, os.SEEK_END)
+            if not size:
                 return 0
-            keep = data.rfind(b"\n") + 1
+            f.seek(size - 1)
+            if f.read(1) == b"\n":
+                return 0
+            # Back from the end, a chunk at a time, to the last newline: never the whole file.
+            end = size
+            keep = 0
+            while end > 0:
+                start = max(0, end - _TAIL_CHUNK_BYTES)
+                f.seek(start)
+                found = f.read(end - start).rfind(b"\n")
+                if found >= 0:
+                    keep = start + found + 1
+                    break
+                end = start
             f.truncate(keep)
-            log.warning("%s: removed an unfinished last line (%d bytes)", path,
-                        len(data) - keep)
-            return len(data) - keep
+            log.warning("%s: removed an unfinished last line (%d bytes)", path, size - keep)
+            return size - keep
     except FileNotFoundError:
         return 0
 
@@ -98,7 +140,12 @@ class JsonLine:
 def iter_jsonl(text: str) -> Iterator[JsonLine]:
     """The non-blank lines of a JSONL text, parsed; a broken line is reported, not raised,
     so every reader (resume, result tools) skips it the same way and says where it was."""
-    for number, raw in enumerate(text.splitlines(), start=1):
+    return iter_jsonl_lines(text.splitlines())
+
+
+def iter_jsonl_lines(lines: Iterable[str]) -> Iterator[JsonLine]:
+    """``iter_jsonl`` over lines as they come (an open file: streamed, never held whole)."""
+    for number, raw in enumerate(lines, start=1):
         if not raw.strip():
             continue
         try:

@@ -16,6 +16,7 @@ __all__ = [
     "RESULTS_FILE",
     "RUN_FILE",
     "RUN_LOCK_FILE",
+    "SUPERSEDED_RESULTS_FILE",
     "TASK_CONFIG_FILE",
     "TRAJ_FILE",
     "screenshot_name",
@@ -24,6 +25,7 @@ __all__ = [
 RUN_FILE = "run.json"                  # config snapshot, versions, start/end, summary
 RUN_LOCK_FILE = ".lock"                # flock'ed by the one driver writing the run
 RESULTS_FILE = "results.jsonl"         # one line per finished episode: the index
+SUPERSEDED_RESULTS_FILE = "results.superseded.jsonl"  # lines a rerun or a repair replaced
 METRICS_FILE = "metrics.jsonl"         # the coordinator's samples over time
 TASK_CONFIG_FILE = "task_config.json"  # the task as run
 TRAJ_FILE = "traj.jsonl"               # one line per step, OSWorld's fields + ours

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
+import subprocess
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -29,3 +31,35 @@ async def until(predicate: Callable[[], bool], timeout_s: float, poll_s: float =
         if time.monotonic() > deadline:
             raise AssertionError("condition not reached in time")
         await asyncio.sleep(poll_s)
+
+
+@contextlib.contextmanager
+def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
+    """A real filesystem of ``size_bytes`` mounted on ``directory`` (a tmpfs), so writes hit
+    a real ENOSPC; unmounted on exit. Needs root (CI runs as root)."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        unavailable("a small filesystem needs root to mount a tmpfs")
+    result = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                             str(directory)], capture_output=True, text=True, check=False)
+    if result.returncode != 0:
+        unavailable(f"cannot mount a tmpfs on {directory}: {result.stderr.strip()}")
+    try:
+        yield directory
+    finally:
+        subprocess.run(["umount", str(directory)], check=True)
+
+
+def fill(directory: Path) -> Path:
+    """Fill the filesystem holding ``directory`` to the last byte; returns the filler file
+    (remove it to free the space)."""
+    filler = directory / "filler"
+    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
+    try:
+        for chunk in (b"\0" * 4096, b"\0"):
+            with contextlib.suppress(OSError):
+                while os.write(fd, chunk):
+                    pass
+    finally:
+        os.close(fd)
+    return filler

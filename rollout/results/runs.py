@@ -188,11 +188,10 @@ def _load_ours(run_dir: Path) -> tuple[list[Episode], list[Problem]]:
         except (KeyError, TypeError, ValueError) as exc:
             problems.append(Problem(path, f"{exc}, skipped", number))
             continue
-        key = (episode.domain, episode.task_id, episode.rollout)
-        if key in by_id:
-            # Not expected from run.py; the later line is the newer outcome, as on resume.
-            problems.append(Problem(path, f"{episode.episode_id} listed again, later wins", number))
-        by_id[key] = episode
+        # One record per episode: a later line (a rerun's) supersedes an earlier one, as on
+        # resume; run.py also compacts the file to one line per episode at each start.
+        by_id.pop((episode.domain, episode.task_id, episode.rollout), None)
+        by_id[(episode.domain, episode.task_id, episode.rollout)] = episode
     return list(by_id.values()), problems
 
 

@@ -254,9 +254,9 @@ def test_resume_skips_finished_episodes_and_survives_a_broken_line(
 
     specs = loader.poll()
     ids = {s.episode_id for s in specs}
-    assert len(specs) == 2 * 18 - 4
+    assert len(specs) == 2 * 18 - 3
     assert "calculator/calc-add/0" not in ids
-    assert "calculator/calc-add/1" not in ids  # infra_error was recorded: finished
+    assert "calculator/calc-add/1" in ids  # infra_error: rerun (tasks.rerun_infra_errors)
     assert "editor/editor-uppercase/0" not in ids
     assert "terminal/terminal-make-dirs/1" not in ids
     assert {
@@ -266,10 +266,21 @@ def test_resume_skips_finished_episodes_and_survives_a_broken_line(
         "terminal/terminal-make-dirs/0",
     } <= ids
     assert loader.total_known() == 2 * 18
-    assert loader.finished_before() == 4
+    assert loader.finished_before() == 3
     # A resumed run's scored results seed the success-rate window; infra errors do not.
     assert loader.success_rate("calc-add", "calculator") == 1.0
     assert loader.success_rate("calc-sqrt", "calculator") is None
+    # Kept as final when the user says so.
+    kept = _loader(tmp_path, rollouts_per_task=2, rerun_infra_errors=False)
+    assert "calculator/calc-add/1" not in {s.episode_id for s in kept.poll()}
+
+
+def test_a_rerun_line_supersedes_the_earlier_one_on_resume(tmp_path: Path) -> None:
+    first = {"task_id": "calc-add", "domain": "calculator", "rollout": 0}
+    _results(tmp_path, [json.dumps({**first, "status": "success", "reward": 1.0}),
+                        json.dumps({**first, "status": "infra_error", "reward": None})])
+    loader = _loader(tmp_path)
+    assert "calculator/calc-add/0" in {s.episode_id for s in loader.poll()}
 
 
 def test_resume_everything_finished_polls_nothing(tmp_path: Path) -> None:
