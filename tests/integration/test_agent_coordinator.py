@@ -254,7 +254,24 @@ def test_metrics_reach_the_prometheus_endpoint_and_metrics_jsonl(local_ray, tmp)
                                             "starting"}
 
 
+def test_runners_the_cluster_cannot_schedule_are_a_clear_error_at_start(local_ray, tmp):
+    """Review M6: 64 runners of 0.25 CPU on a 4-CPU cluster would stay pending with no
+    error; the coordinator refuses at start and names the keys to change."""
+    import asyncio
+
+    from agent_coordinator import AgentCoordinator
+    from rollout.errors import ConfigError
+
+    cfg = _config(tmp, "http://127.0.0.1:9", ["calc-add"],
+                  **{"coordinator.max_concurrent_episodes": 512,
+                     "coordinator.episodes_per_runner": 8})
+    coordinator = AgentCoordinator(cfg, None, None, use_ray=True)
+    with pytest.raises(ConfigError, match=r"64 runners .* reserve 16 CPUs .* cluster has 4"):
+        asyncio.run(coordinator.start())
+
+
 def test_runners_spread_over_a_two_node_cluster(tmp):
+    # Last in the module on purpose: it shuts down the module's local_ray.
     from ray.cluster_utils import Cluster
 
     if ray.is_initialized():
@@ -280,19 +297,3 @@ def test_runners_spread_over_a_two_node_cluster(tmp):
     finally:
         ray.shutdown()
         cluster.shutdown()
-
-
-def test_runners_the_cluster_cannot_schedule_are_a_clear_error_at_start(local_ray, tmp):
-    """Review M6: 64 runners of 0.25 CPU on a 4-CPU cluster would stay pending with no
-    error; the coordinator refuses at start and names the keys to change."""
-    import asyncio
-
-    from agent_coordinator import AgentCoordinator
-    from rollout.errors import ConfigError
-
-    cfg = _config(tmp, "http://127.0.0.1:9", ["calc-add"],
-                  **{"coordinator.max_concurrent_episodes": 512,
-                     "coordinator.episodes_per_runner": 8})
-    coordinator = AgentCoordinator(cfg, None, None, use_ray=True)
-    with pytest.raises(ConfigError, match=r"64 runners .* reserve 16 CPUs .* cluster has 4"):
-        asyncio.run(coordinator.start())
