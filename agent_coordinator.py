@@ -29,7 +29,7 @@ from typing import Any
 
 from config import Config
 from rollout.aio import TaskSet, backoff_s, call
-from rollout.errors import ConfigError
+from rollout.errors import ConfigError, one_line
 from rollout.monitoring import Metrics
 from rollout.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
 from trajectory_runner import TrajectoryRunner, episode_deadline_s
@@ -445,7 +445,7 @@ class AgentCoordinator:
             raise
         except Exception as exc:
             # Not recorded: the episode is not in results.jsonl, so a rerun runs it again.
-            self._stop(f"storage: cannot record episode {spec.episode_id}: {_cause(exc)}")
+            self._stop(f"storage: cannot record episode {spec.episode_id}: {one_line(exc)}")
             return
         self._batch.discard(spec.episode_id)
         self._finished.append(record)
@@ -456,9 +456,10 @@ class AgentCoordinator:
         self._metrics.episode(result.status, spec.domain)
 
     def _stop(self, why: str) -> None:
-        """Dispatch nothing more; the driver ends the run with ``why``."""
+        """Dispatch nothing more; the driver ends the run with ``why`` (its first line: the
+        driver's stop message is one line)."""
         if self._fatal is None:
-            self._fatal = why
+            self._fatal = next((x for x in why.splitlines() if x.strip()), why)
             log.error("stopping the run: %s", why)
         self._draining = True
         self._changed()
@@ -488,7 +489,7 @@ class AgentCoordinator:
             try:
                 back, breaker.status = await self._probe(breaker.side)
             except Exception as exc:  # a probe that fails says the side is still down
-                back, breaker.status = False, f"probe failed: {_cause(exc)}"
+                back, breaker.status = False, f"probe failed: {one_line(exc)}"
             assert breaker.open_since is not None
             down_s = time.time() - breaker.open_since
             if back:
@@ -610,13 +611,6 @@ class AgentCoordinator:
 def avoid_of(result: EpisodeResult) -> list[str]:
     """Desktops the next try of an episode should avoid: those its attempts ran on."""
     return list(dict.fromkeys(result.desktops_tried))
-
-
-def _cause(exc: BaseException) -> str:
-    """The message of the error behind a Ray wrapper, on one line."""
-    cause = getattr(exc, "cause", None) or exc
-    lines = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {lines[-1] if lines else ''}"
 
 
 def _step_split(stats: list[dict[str, Any]]) -> dict[str, float] | None:

@@ -36,6 +36,7 @@ from rollout.errors import (
     RolloutError,
     StorageError,
     UnsupportedEvaluator,
+    one_line,
 )
 from rollout.evaluation import evaluate
 from rollout.layout import screenshot_name
@@ -479,7 +480,7 @@ class _Episode:
                 log.error("episode %s: its files were not written: %s", self.spec.episode_id,
                           exc)
                 status, reward, retryable = Status.INFRA_ERROR, None, False
-                error, self.fatal = f"storage: {type(exc).__name__}: {exc}", True
+                error, self.fatal = f"storage: {one_line(exc)}", True
         finally:
             # After the release (its call is sent before anything here can be cancelled).
             if self.env is not None:

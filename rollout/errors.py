@@ -48,6 +48,7 @@ __all__ = [
     "TaskSetupError",
     "UnsupportedEvaluator",
     "UnsupportedSetupStep",
+    "one_line",
 ]
 
 
@@ -172,3 +173,14 @@ class ModelRequestError(RolloutError):
 class FleetError(RolloutError):
     """The model fleet cannot be started or controlled (its state dir is locked by another
     supervisor, no port is free, its control server does not start)."""
+
+
+def one_line(exc: BaseException, limit: int = 300) -> str:
+    """``Type: message`` of an error on one line, for a stop or status line: the error behind
+    a Ray wrapper (``.cause``), the first non-empty line of its message (Ray's actor errors
+    add pid, address and a list of causes on later lines), cut at ``limit`` characters."""
+    cause = getattr(exc, "cause", None) or exc
+    line = next((x.strip() for x in str(cause).splitlines() if x.strip()), "")
+    if len(line) > limit:
+        line = line[: limit - 3] + "..."
+    return f"{type(cause).__name__}: {line}" if line else type(cause).__name__
