@@ -2,26 +2,56 @@
 
     python benchmarks/chaos.py [--quick] [--json OUT] [--only NAME ...]
 
-Each scenario runs ``run.py`` as a subprocess (a real local Ray cluster, runners, storage,
-coordinator and model client) against simulated desktops (``benchmarks/sim_world.py``,
-``desktops.provider: static``) and simulated model replicas published in a run_model.py-style
-``endpoints.json`` (each replica its own process, so it can be killed, drained and brought
-back like run_model.py does), injects its fault mid-run, reruns the driver when the fault
-stops the run (as an operator would), and then checks the run directory:
+Each scenario runs ``run.py`` as a subprocess (its own local Ray cluster, runners, storage,
+coordinator and model client) on a fresh run directory, against simulated desktops and model
+replicas (``benchmarks/sim_world.py``: ``desktops.provider: static``; the model either as
+``model.endpoints`` or as a run_model.py-style ``endpoints.json`` the script publishes),
+injects its fault mid-run, reruns the driver when the fault stopped the run (as an operator
+would: the same command), and then reads the run directory. Servers are killed for real
+(SIGKILL of their process); where one must come back at the same URL (static
+``model.endpoints``, static desktop URLs) or freeze in the middle of a request, it sits behind
+a loopback gate (``benchmarks/chaos_proxy.py``) that refuses connections while it is dead.
+
+    model_down             both replicas (static model.endpoints) killed mid-request, URLs
+                           refusing for 60 s (quick 8 s), back at the same URLs
+    replica_killed         one of two replicas (endpoints.json) killed mid-request, listed
+                           unhealthy, restarted
+    single_replica_reload  the only replica drained, stopped and restarted as v2 through
+                           endpoints.json, under load
+    desktops_killed        4 of 6 desktops' servers killed mid-episode: 2 for good, 2 back
+    desktop_hangs          a desktop frozen mid-/execute of an action, then thawed
+    storage_killed         the run's StorageActor process SIGKILLed -> stop, rerun
+    disk_full              the run dir's own tmpfs filled -> stop, space freed, rerun
+    driver_killed          run.py SIGKILLed -> rerun
+    runner_killed          a TrajectoryRunner actor's process SIGKILLed
+    second_driver          a second run.py on the same run dir while the first runs
+
+Counted:
 
     expected             episodes of the task set
-    recorded             distinct episodes in the final results.jsonl
+    recorded             distinct expected episodes in the final results.jsonl
     lost                 expected - recorded
-    duplicated           results.jsonl lines beyond one per episode
-    misrecorded          lines whose episode directory disagrees (episode.json missing or with
-                         another attempt/status/reward, result.txt differing, no traj.jsonl)
-    outage_infra_errors  infra_error lines (every injected fault is recoverable: all count)
-    recover_s            seconds from the end of the fault to the next episode recorded
+    duplicated           lines beyond one per episode: in results.jsonl, plus the non-infra_error
+                         lines a restart moved to results.superseded.jsonl (an episode recorded
+                         twice before the compaction at start is still a duplicate)
+    misrecorded          final lines whose episode directory disagrees: episode.json missing or
+                         with another attempt/status/reward; for a scored episode result.txt
+                         missing or another reward, traj.jsonl missing, not one line per step,
+                         its last line with another reward, or a screenshot it names missing
+    outage_infra_errors  infra_error lines in results.jsonl and results.superseded.jsonl (every
+                         injected fault is recoverable, so every one counts)
+    recover_s            seconds from the end of the fault (for a fault that stops the run: the
+                         rerun's start) to the first episode that ended after it
 
-The target is every count 0. Figures are printed and written (``--json``); nothing is
-asserted here (tests/integration/test_chaos.py runs ``--quick``).
+The target is every count 0. Figures are printed and written (``--json``), with what each
+scenario saw (``facts``: exit codes, requests cut, outages, ...) and ``notes`` on anything
+unexpected; nothing is asserted here (tests/integration/test_chaos.py runs ``--quick``). The
+exit code is 0 unless the harness itself failed.
 
-Every process, mount and directory a scenario starts is ended and removed by pid or path.
+Cleanup is exact: each scenario's drivers run with a marker in their environment, which every
+process of their Ray cluster inherits; whatever carries it is ended by pid at the end (and
+after a driver is SIGKILLed). Ray's files go to the scenario's temp dir (``RAY_TMPDIR``), its
+small filesystem is unmounted, its temp dir removed. No other Ray on the machine is touched.
 """
 
 from __future__ import annotations
@@ -36,6 +66,9 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
+import urllib.request
+import uuid
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -45,85 +78,245 @@ from typing import Any
 import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
 
+from benchmarks.chaos_proxy import FaultProxy  # noqa: E402
 from benchmarks.sim_world import DesktopSim, EpisodeLengths, ModelSim, SimWorld  # noqa: E402
 from rollout.fleet.state import ENDPOINTS_FILE  # noqa: E402
-from rollout.layout import RESULTS_FILE  # noqa: E402
+from rollout.layout import (  # noqa: E402
+    EPISODE_FILE,
+    METRICS_FILE,
+    OSWORLD_RESULT_FILE,
+    RESULTS_FILE,
+    RUN_FILE,
+    SUPERSEDED_RESULTS_FILE,
+    TRAJ_FILE,
+)
+
+__all__ = ["COUNTS", "FULL", "QUICK", "SCENARIOS", "Size", "count", "main", "recover_s"]
 
 SCENARIOS = ("model_down", "replica_killed", "single_replica_reload", "desktops_killed",
              "desktop_hangs", "storage_killed", "disk_full", "driver_killed", "runner_killed",
              "second_driver")
+COUNTS = ("expected", "recorded", "lost", "duplicated", "misrecorded", "outage_infra_errors")
+SCORED = ("success", "failure", "max_steps", "timeout")
+MARKER_ENV = "CUA_CHAOS_MARKER"   # in the environment of every process of a scenario's Ray
+# Model outages: no episode may use an attempt on them (a wait, then a requeue).
+MODEL_SCENARIOS = ("model_down", "replica_killed", "single_replica_reload")
+# How long a SIGKILLed driver's Ray cluster is given to end by itself.
+ORPHAN_GRACE_S = 60.0
 
 
 @dataclass(frozen=True)
 class Size:
     tasks: int
-    outage_s: float          # how long a model outage lasts
-    reload_s: float          # how long a replica is away for a reload
-    hang_s: float            # how long a desktop hangs
-    run_timeout_s: float     # one driver's longest run
+    concurrency: int          # coordinator.max_concurrent_episodes (6 desktops)
+    outage_s: float           # every model endpoint down
+    model_wait_s: float       # model.outage_wait_s: shorter than the outage, so that episodes
+    #                           both wait it out and are requeued past their wait
+    reload_s: float           # a replica away (reload, restart after a crash)
+    desktop_back_s: float     # a killed desktop server that comes back
+    hang_s: float             # a desktop frozen mid-/execute
+    desktop_timeout_s: float  # desktops.request_timeout_s (a hung /execute is found after it)
+    progress_timeout_s: float  # longest wait for the run to reach the point of injection
+    run_timeout_s: float      # one driver's longest run
 
 
-QUICK = Size(tasks=12, outage_s=8.0, reload_s=4.0, hang_s=10.0, run_timeout_s=240.0)
-FULL = Size(tasks=40, outage_s=60.0, reload_s=20.0, hang_s=45.0, run_timeout_s=900.0)
+QUICK = Size(tasks=10, concurrency=6, outage_s=8.0, model_wait_s=4.0, reload_s=3.0,
+             desktop_back_s=6.0, hang_s=8.0, desktop_timeout_s=4.0, progress_timeout_s=120.0,
+             run_timeout_s=240.0)
+FULL = Size(tasks=40, concurrency=6, outage_s=60.0, model_wait_s=20.0, reload_s=20.0,
+            desktop_back_s=30.0, hang_s=45.0, desktop_timeout_s=10.0, progress_timeout_s=300.0,
+            run_timeout_s=900.0)
 # Short episodes (2-5 model calls) keep a scenario to tens of seconds.
 LENGTHS = EpisodeLengths(median_steps=3.0, sigma=0.3, tail_fraction=0.0, min_steps=2,
                          max_steps=5)
 MODEL = ModelSim(base_latency_s=0.3, per_token_s=0.002, lengths=LENGTHS, model="sim-ui-tars")
-DESKTOP = DesktopSim(rich_screenshots=False)
+DESKTOP = DesktopSim(rich_screenshots=False, screenshots=4)
+
+
+class HarnessError(RuntimeError):
+    """The chaos script itself could not do what a scenario needs (not the service's fault)."""
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def _kill_pids(pids: list[int]) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def marked(marker: str) -> list[psutil.Process]:
+    """The live processes whose environment carries ``marker`` (a driver, its Ray cluster)."""
+    out = []
+    for proc in psutil.process_iter(["pid"]):
+        try:
+            if proc.environ().get(MARKER_ENV) == marker:
+                out.append(proc)
+        except (psutil.Error, OSError):
+            continue
+    return out
+
+
+def end_marked(marker: str, grace_s: float = 0.0) -> list[str]:
+    """End (SIGKILL, by pid) what carries ``marker``, after ``grace_s`` for it to end on its
+    own; returns what had to be killed ("pid name")."""
+    deadline = time.monotonic() + grace_s
+    procs = marked(marker)
+    while procs and time.monotonic() < deadline:
+        time.sleep(0.5)
+        procs = marked(marker)
+    killed = []
+    for proc in procs:
+        with contextlib.suppress(psutil.Error):
+            name = _name(proc)
+            proc.kill()
+            killed.append(name)
+    psutil.wait_procs(procs, timeout=10)
+    return killed
+
+
+def _get_json(url: str, timeout_s: float = 5.0) -> dict[str, Any]:
+    with urllib.request.urlopen(url, timeout=timeout_s) as r:
+        return json.loads(r.read())
 
 
 # --------------------------------------------------------------------------- the world
 
 
-class Replicas:
-    """Model replicas published like run_model.py does: each a SimWorld process of its own,
-    listed in ``endpoints.json`` with its health and drain state."""
+class Replica:
+    """One simulated model server process, optionally behind a gate that keeps its URL."""
 
-    def __init__(self, state_dir: Path, n: int) -> None:
-        self.state_dir = state_dir
-        state_dir.mkdir(parents=True, exist_ok=True)
-        self.worlds: list[SimWorld | None] = [None] * n
-        self.flags: list[dict[str, Any]] = [{"healthy": True, "draining": False,
-                                             "model_version": "v1"} for _ in range(n)]
-        for i in range(n):
-            self.start(i)
+    def __init__(self, gated: bool) -> None:
+        self.world: SimWorld | None = None
+        self.gate: FaultProxy | None = None
+        self.last_url: str | None = None
+        self.start()
+        if gated:
+            assert self.world is not None
+            self.gate = FaultProxy(_port(self.world.model_urls[0])).start()
 
-    def url(self, i: int) -> str | None:
-        world = self.worlds[i]
-        return world.model_urls[0] if world is not None else None
+    @property
+    def backend_url(self) -> str | None:
+        return self.world.model_urls[0] if self.world is not None else None
 
-    def publish(self) -> None:
-        endpoints = [{"url": self.url(i), **self.flags[i]} for i in range(len(self.worlds))
-                     if self.url(i) is not None]
-        tmp = self.state_dir / f".{ENDPOINTS_FILE}.tmp"
-        tmp.write_text(json.dumps({"model": MODEL.model, "endpoints": endpoints}))
-        os.replace(tmp, self.state_dir / ENDPOINTS_FILE)
+    @property
+    def url(self) -> str | None:
+        """Its URL; while it is down, the last one it had (as run_model.py keeps listing a
+        replica that restarts, unhealthy)."""
+        return self.gate.url() if self.gate is not None else self.last_url
 
-    def start(self, i: int, version: str | None = None) -> None:
-        self.worlds[i] = SimWorld(model_servers=1, model=MODEL).start()
-        self.flags[i].update(healthy=True, draining=False)
-        if version:
-            self.flags[i]["model_version"] = version
-        self.publish()
+    def start(self) -> None:
+        self.world = SimWorld(model_servers=1, model=MODEL).start()
+        self.last_url = self.world.model_urls[0]
 
-    def kill(self, i: int, *, publish: bool = True) -> None:
-        """SIGKILL the replica's process (requests in flight are cut), as a crash would."""
-        world = self.worlds[i]
-        if world is None:
+    def in_flight(self) -> int:
+        if self.backend_url is None:
+            return 0
+        try:
+            return int(_get_json(self.backend_url + "/_sim/stats")["in_flight"])
+        except (OSError, ValueError, KeyError):
+            return 0
+
+    def kill(self) -> None:
+        """SIGKILL the server process: its requests in flight are cut, as in a crash."""
+        if self.world is None:
             return
-        for pid in world.pids:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        world.stop()
-        self.worlds[i] = None
-        if publish:
-            self.publish()
+        _kill_pids(self.world.pids)
+        self.world.stop()
+        self.world = None
 
     def stop(self) -> None:
-        for i in range(len(self.worlds)):
-            self.kill(i, publish=False)
+        self.kill()
+        if self.gate is not None:
+            self.gate.stop()
+
+
+class Fleet:
+    """The model replicas, published like run_model.py does (``endpoints.json``: each with
+    its URL, health, drain state and version) unless they are static ``model.endpoints``."""
+
+    def __init__(self, n: int, state_dir: Path | None, gated: bool = False) -> None:
+        self.state_dir = state_dir
+        self.replicas: list[Replica] = []
+        self.flags: list[dict[str, Any]] = []
+        try:
+            for _ in range(n):
+                self.replicas.append(Replica(gated))
+                self.flags.append({"healthy": True, "draining": False, "state": "serving",
+                                   "model_version": "v1"})
+        except BaseException:
+            self.stop()
+            raise
+        if state_dir is not None:
+            state_dir.mkdir(parents=True, exist_ok=True)
+            self.publish()
+
+    def publish(self) -> None:
+        if self.state_dir is None:
+            return
+        endpoints = [{"index": i, "url": r.url, **self.flags[i]}
+                     for i, r in enumerate(self.replicas) if r.url is not None]
+        tmp = self.state_dir / f".{ENDPOINTS_FILE}.tmp"
+        tmp.write_text(json.dumps({"format": 1, "updated_at": time.time(),
+                                   "model": MODEL.model, "endpoints": endpoints}))
+        os.replace(tmp, self.state_dir / ENDPOINTS_FILE)
+
+    def set(self, i: int, **flags: Any) -> None:
+        self.flags[i].update(flags)
+        self.publish()
+
+    def in_flight(self) -> int:
+        return sum(r.in_flight() for r in self.replicas)
+
+    def stop(self) -> None:
+        for r in self.replicas:
+            r.stop()
+
+
+class Desktops:
+    """Six simulated desktops in three server processes: ``a`` and ``b`` direct, ``c`` behind a
+    gate (a server that is killed and comes back at the same URL; a desktop that freezes)."""
+
+    def __init__(self) -> None:
+        self.a = self.b = self.c = None
+        self.gate: FaultProxy | None = None
+        try:
+            self.a = SimWorld(desktops=2, desktop=DESKTOP).start()
+            self.b = SimWorld(desktops=2, desktop=DESKTOP).start()
+            self.c = SimWorld(desktops=2, desktop=DESKTOP).start()
+            self.gate = FaultProxy(_port(self.c.desktop_urls[0])).start()
+        except BaseException:
+            self.stop()
+            raise
+        self.reset_command = self.a.reset_command
+
+    @property
+    def urls(self) -> list[str]:
+        assert self.a and self.b and self.gate
+        return [*self.a.desktop_urls, *self.b.desktop_urls,
+                *(self.gate.url(f"/d/{i}") for i in range(2))]
+
+    def restart_c(self) -> None:
+        """A new server for the gated desktops (call ``gate.up(port)`` to route to it)."""
+        self.c = SimWorld(desktops=2, desktop=DESKTOP).start()
+
+    def stop(self) -> None:
+        for world in (self.a, self.b, self.c):
+            if world is not None:
+                world.stop()
+        if self.gate is not None:
+            self.gate.stop()
+
+
+def _port(url: str) -> int:
+    return int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
+
+
+# --------------------------------------------------------------------------- one run
 
 
 @dataclass
@@ -134,76 +327,109 @@ class Run:
     run_dir: Path
     config: Path
     size: Size
-    log: Path
+    marker: str
     drivers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: list[Path] = field(default_factory=list)
+    exit_codes: list[int | None] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    facts: dict[str, Any] = field(default_factory=dict)
+    fault_end: float | None = None   # wall-clock end of the fault (time.time())
 
-    def start(self) -> subprocess.Popen[bytes]:
-        out = self.log.open("ab")
-        proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "--config",
-                                 str(self.config)], cwd=ROOT, stdout=out,
-                                stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                start_new_session=True)
-        out.close()
+    def start(self, label: str, marker: str | None = None) -> subprocess.Popen[bytes]:
+        """Start ``run.py`` on the scenario's config; its output goes to a log of its own."""
+        log = self.work / f"driver-{len(self.drivers)}-{label.replace(' ', '_')}.log"
+        with log.open("wb") as out:
+            env = {**os.environ, MARKER_ENV: marker or self.marker,
+                   "RAY_TMPDIR": str(self.work / "r")}
+            proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "--config",
+                                     str(self.config)], cwd=ROOT, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                    start_new_session=True, env=env)
         self.drivers.append(proc)
+        self.logs.append(log)
         return proc
 
-    def wait(self, proc: subprocess.Popen[bytes]) -> int:
+    def wait(self, proc: subprocess.Popen[bytes], timeout_s: float | None = None) -> int | None:
+        """The driver's exit code; None (and a note) if it outlived ``timeout_s``."""
         try:
-            return proc.wait(timeout=self.size.run_timeout_s)
+            code: int | None = proc.wait(timeout=timeout_s or self.size.run_timeout_s)
         except subprocess.TimeoutExpired:
-            end_tree(proc.pid)
-            return -1
+            self.notes.append(f"driver {proc.pid} still running after "
+                              f"{timeout_s or self.size.run_timeout_s:.0f} s: killed")
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+            code = None
+        self.exit_codes.append(code)
+        return code
 
-    def lines(self) -> list[dict[str, Any]]:
-        path = self.run_dir / RESULTS_FILE
-        if not path.exists():
-            return []
+    def lines(self, name: str = RESULTS_FILE) -> list[dict[str, Any]]:
+        return read_jsonl(self.run_dir / name)[0]
+
+    def recorded(self) -> int:
+        return len({r.get("episode_id") for r in self.lines()})
+
+    def until(self, predicate: Callable[[], bool], what: str,
+              timeout_s: float | None = None) -> bool:
+        """Wait for ``predicate`` while the last driver runs; False (and a note) if the
+        driver exits first or it takes longer than ``timeout_s``."""
+        deadline = time.monotonic() + (timeout_s or self.size.progress_timeout_s)
+        while not predicate():
+            driver = self.drivers[-1] if self.drivers else None
+            if driver is not None and driver.poll() is not None:
+                self.notes.append(f"the driver exited ({driver.returncode}) before {what}")
+                return False
+            if time.monotonic() > deadline:
+                self.notes.append(f"{what}: not reached within "
+                                  f"{timeout_s or self.size.progress_timeout_s:.0f} s")
+                return False
+            time.sleep(0.1)
+        return True
+
+    def actor_pids(self, kind: str) -> list[int]:
+        """Pids of this run's Ray actor processes ``ray::<kind>`` (found by the marker)."""
         out = []
-        for raw in path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(raw))
+        for proc in marked(self.marker):
+            with contextlib.suppress(psutil.Error):
+                cmdline = proc.cmdline()
+                if cmdline and cmdline[0].startswith(f"ray::{kind}"):
+                    out.append(proc.pid)
         return out
 
-    def until(self, predicate: Callable[[], bool], timeout_s: float, what: str) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{what} not reached within {timeout_s:.0f} s")
-            if self.drivers and self.drivers[-1].poll() is not None:
-                raise RuntimeError(f"the driver exited ({self.drivers[-1].returncode}) before "
-                                   f"{what}; see {self.log}")
-            time.sleep(0.1)
+    def error_text(self, proc: subprocess.Popen[bytes]) -> str | None:
+        """What ``proc`` said last on ``run.py: error:`` (to the end of its output)."""
+        log = self.logs[self.drivers.index(proc)]
+        text = log.read_text(errors="replace") if log.exists() else ""
+        at = text.rfind("run.py: error:")
+        return text[at:].strip() if at >= 0 else None
 
-    def recorded_after(self, count: int, timeout_s: float) -> float:
-        """Seconds until results.jsonl has more than ``count`` lines (or the run ends)."""
-        t0 = time.monotonic()
-        deadline = t0 + timeout_s
-        while len(self.lines()) <= count and time.monotonic() < deadline:
-            if self.drivers and self.drivers[-1].poll() is not None:
-                break
-            time.sleep(0.1)
-        return round(time.monotonic() - t0, 1)
-
-    def actor_pid(self, kind: str) -> int:
-        """The pid of one of this run's Ray actors (``ray::StorageActor`` ...): a descendant
-        of this scenario's driver, so no other Ray on the machine is touched."""
-        driver = psutil.Process(self.drivers[-1].pid)
-        for proc in driver.children(recursive=True):
-            with contextlib.suppress(psutil.Error):
-                if proc.cmdline() and proc.cmdline()[0].startswith(f"ray::{kind}"):
-                    return proc.pid
-        raise LookupError(f"no ray::{kind} process under driver {driver.pid}")
+    def tail(self, lines: int = 40) -> str:
+        """The end of every driver's output."""
+        out = []
+        for log in self.logs:
+            text = log.read_text(errors="replace") if log.exists() else ""
+            out.append(f"===== {log.name}\n" + "\n".join(text.splitlines()[-lines:]))
+        return "\n".join(out)
 
 
-def end_tree(pid: int) -> None:
-    """End a process and its descendants (a driver and the Ray cluster it started)."""
-    with contextlib.suppress(psutil.Error):
-        root = psutil.Process(pid)
-        procs = [root, *root.children(recursive=True)]
-        for p in procs:
-            with contextlib.suppress(psutil.Error):
-                p.kill()
-        psutil.wait_procs(procs, timeout=10)
+def read_jsonl(path: Path) -> tuple[list[dict[str, Any]], int]:
+    """The records of a JSONL file and how many of its lines are not a JSON object."""
+    if not path.exists():
+        return [], 0
+    out, broken = [], 0
+    for raw in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        if not raw.strip():
+            continue
+        try:
+            value = json.loads(raw)
+        except ValueError:
+            broken += 1
+            continue
+        if isinstance(value, dict):
+            out.append(value)
+        else:
+            broken += 1
+    return out, broken
 
 
 def write_tasks(path: Path, n: int) -> None:
@@ -214,201 +440,75 @@ def write_tasks(path: Path, n: int) -> None:
                                 "evaluator": {"func": "infeasible"}}) + "\n")
 
 
-@contextlib.contextmanager
-def scenario_run(name: str, size: Size, desktops: list[SimWorld], replicas: Replicas,
-                 work: Path, run_root: Path | None = None, **sets: Any) -> Iterator[Run]:
-    run_root = run_root or work / "results"
+def tasks_for(name: str, size: Size) -> int:
+    """Episodes of a scenario: where the fault leaves part of the desktops serving, enough
+    more that the run still has work when the fault ends (~2 episodes/s on 6 desktops)."""
+    if name == "desktop_hangs":  # and ~10 s of work after the thaw, to see it back
+        return size.tasks + round(2 * size.hang_s) + 20
+    if name == "desktops_killed":
+        return size.tasks + round(size.desktop_back_s)
+    return size.tasks
+
+
+def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Desktops,
+                fleet: Fleet) -> Path:
     tasks = work / "tasks.jsonl"
-    write_tasks(tasks, size.tasks)
-    urls = [u for w in desktops for u in w.desktop_urls]
+    write_tasks(tasks, tasks_for(name, size))
+    model: dict[str, Any] = {
+        "name": MODEL.model, "retries": 2, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
+        "request_timeout_s": 20, "connect_timeout_s": 2, "endpoint_failures_to_eject": 1,
+        "reprobe_interval_s": 1, "outage_wait_s": size.model_wait_s,
+    }
+    if fleet.state_dir is None:
+        model["endpoints"] = [r.url for r in fleet.replicas]
     config = {
         "run": {"name": name, "output_dir": str(run_root)},
         "ray": {"num_cpus": 2, "include_dashboard": False},
         "tasks": {"source": str(tasks)},
-        "model": {"name": MODEL.model, "retries": 2, "backoff_initial_s": 0.2,
-                  "backoff_max_s": 1.0, "request_timeout_s": 20, "connect_timeout_s": 2,
-                  "endpoint_failures_to_eject": 1, "reprobe_interval_s": 1},
-        "model_pool": {"state_dir": str(replicas.state_dir)},
-        "desktops": {"provider": "static", "count": len(urls), "warm_spares": 0,
-                     "static": {"urls": urls, "reset_command": desktops[0].reset_command,
-                                "retry_quarantined_s": 5},
-                     "lease_timeout_s": 20, "request_timeout_s": 10, "reset_timeout_s": 10,
-                     "health_interval_s": 2},
-        "coordinator": {"max_concurrent_episodes": 6, "episodes_per_runner": 3,
+        "model": model,
+        "model_pool": {"state_dir": str(fleet.state_dir or work / "no-fleet")},
+        "desktops": {"provider": "static", "count": len(desktops.urls), "warm_spares": 0,
+                     "static": {"urls": desktops.urls,
+                                "reset_command": desktops.reset_command,
+                                "retry_quarantined_s": 3},
+                     "lease_timeout_s": 20, "request_timeout_s": size.desktop_timeout_s,
+                     "reset_timeout_s": 2 * size.desktop_timeout_s, "health_interval_s": 2,
+                     "download_cache_dir": str(work / "cache")},
+        "coordinator": {"max_concurrent_episodes": size.concurrency, "episodes_per_runner": 3,
                         "runner_num_cpus": 0, "outage_backoff_initial_s": 0.5,
                         "outage_backoff_max_s": 2},
-        "runner": {"action_pause_s": 0, "max_steps": 8, "episode_timeout_s": 120,
+        "runner": {"action_pause_s": 0, "wait_s": 0, "max_steps": 8, "episode_timeout_s": 120,
                    "evaluation_timeout_s": 30},
-        "monitoring": {"progress_bar": False, "ray_metrics": False,
-                       "metrics_interval_s": 2},
+        "monitoring": {"progress_bar": False, "ray_metrics": False, "metrics_interval_s": 1},
     }
-    for key, value in sets.items():
-        node = config
-        *path, last = key.split("__")
-        for part in path:
-            node = node.setdefault(part, {})
-        node[last] = value
     path = work / f"{name}.yaml"
-    path.write_text(json.dumps(config))
-    run = Run(work, run_root / name, path, size, work / f"{name}.log")
+    path.write_text(json.dumps(config, indent=1))
+    return path
+
+
+@contextlib.contextmanager
+def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
+    """A tmpfs of ``size_bytes`` on ``directory`` (as tests/support.py's); unmounted on exit."""
+    directory.mkdir(parents=True, exist_ok=True)
+    if os.geteuid() != 0:
+        raise HarnessError("disk_full needs root to mount a small filesystem (tmpfs)")
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
+                           str(directory)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise HarnessError(f"cannot mount a tmpfs on {directory}: {done.stderr.strip()}")
     try:
-        yield run
+        yield directory
     finally:
-        for proc in run.drivers:
-            if proc.poll() is None:
-                end_tree(proc.pid)
+        if subprocess.run(["umount", str(directory)], check=False).returncode != 0:
+            subprocess.run(["umount", "-l", str(directory)], check=False)
 
 
-# --------------------------------------------------------------------------- scenarios
-
-
-def model_down(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    for i in range(len(replicas.worlds)):
-        replicas.kill(i, publish=False)  # run_model.py not told: connections are refused
-    time.sleep(run.size.outage_s)
-    before = len(run.lines())
-    for i in range(len(replicas.worlds)):
-        replicas.start(i)
-    recover = run.recorded_after(before, 120)
-    run.wait(proc)
-    return recover
-
-
-def replica_killed(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    replicas.kill(0, publish=False)  # mid-request: its requests are cut
-    time.sleep(2)
-    replicas.publish()  # the supervisor notices and stops listing it
-    recover = run.recorded_after(len(run.lines()), 120)
-    replicas.start(0)
-    run.wait(proc)
-    return recover
-
-
-def single_replica_reload(run: Run, replicas: Replicas, desktops: list[SimWorld]
-                          ) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    replicas.flags[0]["draining"] = True  # what run_model.py reload publishes first
-    replicas.publish()
-    time.sleep(1.0)
-    replicas.kill(0)
-    time.sleep(run.size.reload_s)
-    before = len(run.lines())
-    replicas.start(0, version="v2")
-    recover = run.recorded_after(before, 120)
-    run.wait(proc)
-    return recover
-
-
-def desktops_killed(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    before = len(run.lines())
-    for pid in desktops[1].pids:  # half the desktops, mid-episode, for good
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    recover = run.recorded_after(before, 120)
-    run.wait(proc)
-    return recover
-
-
-def desktop_hangs(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    stopped = list(desktops[1].pids)
-    for pid in stopped:  # every request in flight there (an /execute among them) hangs
-        os.kill(pid, signal.SIGSTOP)
-    time.sleep(run.size.hang_s)
-    for pid in stopped:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGCONT)
-    recover = run.recorded_after(len(run.lines()), 120)
-    run.wait(proc)
-    return recover
-
-
-def _kill_actor_then_rerun(run: Run, kind: str) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    os.kill(run.actor_pid(kind), signal.SIGKILL)
-    code = run.wait(proc)
-    if code == 0:
-        return 0.0
-    # The run stopped and said why: the operator reruns the same command.
-    before = len(run.lines())
-    proc = run.start()
-    recover = run.recorded_after(before, 180)
-    run.wait(proc)
-    return recover
-
-
-def storage_killed(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    return _kill_actor_then_rerun(run, "StorageActor")
-
-
-def runner_killed(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    before = len(run.lines())
-    os.kill(run.actor_pid("TrajectoryRunner"), signal.SIGKILL)
-    recover = run.recorded_after(before, 120)
-    run.wait(proc)
-    return recover
-
-
-def driver_killed(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    os.kill(proc.pid, signal.SIGKILL)
-    proc.wait()
-    end_tree(proc.pid)
-    time.sleep(2)  # Ray's reaper ends the cluster of a driver that died
-    before = len(run.lines())
-    proc = run.start()
-    recover = run.recorded_after(before, 180)
-    run.wait(proc)
-    return recover
-
-
-def second_driver(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 1, 120, "1 episode recorded")
-    second = run.start()
-    code = run.wait(second)
-    text = run.log.read_text(errors="replace")
-    if code != 1 or "another run.py" not in text:
-        raise RuntimeError(f"the second driver was not refused (exit {code}); see {run.log}")
-    run.drivers.remove(second)
-    run.wait(proc)
-    return 0.0
-
-
-def disk_full(run: Run, replicas: Replicas, desktops: list[SimWorld]) -> float | None:
-    proc = run.start()
-    run.until(lambda: len(run.lines()) >= 2, 120, "2 episodes recorded")
-    filler = _fill(run.run_dir.parent)
-    code = run.wait(proc)
-    filler.unlink()
-    if code == 0:
-        return 0.0
-    before = len(run.lines())
-    t0 = time.monotonic()
-    proc = run.start()
-    run.recorded_after(before, 180)
-    recover = round(time.monotonic() - t0, 1)
-    run.wait(proc)
-    return recover
-
-
-def _fill(directory: Path) -> Path:
+def fill(directory: Path) -> Path:
+    """Fill the filesystem of ``directory`` to the last byte; remove the file to free it."""
     filler = directory / "filler"
     fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
-        for chunk in (b"\0" * 65536, b"\0" * 512, b"\0"):
+        for chunk in (b"\0" * 65536, b"\0" * 4096, b"\0"):
             with contextlib.suppress(OSError):
                 while os.write(fd, chunk):
                     pass
@@ -417,47 +517,292 @@ def _fill(directory: Path) -> Path:
     return filler
 
 
-@contextlib.contextmanager
-def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
-    directory.mkdir(parents=True, exist_ok=True)
-    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs",
-                    str(directory)], check=True, capture_output=True)
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
+# --------------------------------------------------------------------------- scenarios
 
 
-# --------------------------------------------------------------------------- counting
+@dataclass
+class Ctx:
+    run: Run
+    desktops: Desktops
+    fleet: Fleet
+    size: Size
 
 
-def count(run: Run, size: Size) -> dict[str, Any]:
-    lines = run.lines()
-    ids = Counter(str(r.get("episode_id")) for r in lines)
-    last = {str(r.get("episode_id")): r for r in lines}
-    misrecorded = 0
-    for episode_id, record in last.items():
-        directory = run.run_dir / episode_id
-        try:
-            on_disk = json.loads((directory / "episode.json").read_text())
-        except (OSError, ValueError):
-            misrecorded += 1
-            continue
-        if any(on_disk.get(k) != record.get(k) for k in ("attempt", "status", "reward")):
-            misrecorded += 1
-            continue
-        if record.get("status") in ("success", "failure", "max_steps", "timeout"):
-            result = directory / "result.txt"
-            if (not (directory / "traj.jsonl").is_file() or not result.is_file()
-                    or float(result.read_text()) != float(record.get("reward") or 0.0)):
-                misrecorded += 1
-    recorded = len(ids)
-    return {"expected": size.tasks, "recorded": recorded, "lost": size.tasks - recorded,
-            "duplicated": sum(n - 1 for n in ids.values()), "misrecorded": misrecorded,
-            "outage_infra_errors": sum(r.get("status") == "infra_error" for r in last.values())}
+def _midrun(ctx: Ctx, episodes: int = 2) -> subprocess.Popen[bytes] | None:
+    """Start the driver and wait until ``episodes`` are recorded (None: it never got there)."""
+    proc = ctx.run.start("driver")
+    if not ctx.run.until(lambda: ctx.run.recorded() >= episodes,
+                         f"{episodes} episodes recorded"):
+        ctx.run.wait(proc, 5)
+        return None
+    ctx.run.facts["recorded_at_fault"] = ctx.run.recorded()
+    return proc
 
 
-RUNNERS: dict[str, Callable[[Run, Replicas, list[SimWorld]], float | None]] = {
+def _model_in_flight(ctx: Ctx, replicas: list[Replica], timeout_s: float = 10.0) -> int:
+    """Wait (a little) until a model request is in flight on ``replicas``; how many are."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        n = sum(r.in_flight() for r in replicas)
+        if n or time.monotonic() > deadline:
+            return n
+        time.sleep(0.02)
+
+
+def _outcome(ctx: Ctx, proc: subprocess.Popen[bytes]) -> None:
+    code = ctx.run.wait(proc)
+    if code != 0:
+        ctx.run.notes.append(f"the driver exited {code}: {ctx.run.error_text(proc)!r:.600}")
+
+
+def model_down(ctx: Ctx) -> None:
+    """Both replicas (static ``model.endpoints``) SIGKILLed with requests in flight; their
+    URLs refuse connections for ``outage_s``; then new servers answer at the same URLs."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    replicas = ctx.fleet.replicas
+    ctx.run.facts["requests_cut"] = _model_in_flight(ctx, replicas)
+    for r in replicas:
+        r.kill()
+        assert r.gate is not None
+        r.gate.down()
+    t0 = time.monotonic()
+    for r in replicas:  # the new servers boot while the URLs still refuse
+        r.start()
+    time.sleep(max(0.0, ctx.size.outage_s - (time.monotonic() - t0)))
+    for r in replicas:
+        assert r.gate is not None and r.backend_url is not None
+        r.gate.up(_port(r.backend_url))
+    ctx.run.fault_end = time.time()
+    ctx.run.facts["outage_s"] = round(time.monotonic() - t0, 1)
+    _outcome(ctx, proc)
+
+
+def replica_killed(ctx: Ctx) -> None:
+    """One of two replicas (endpoints.json) SIGKILLed mid-request; the supervisor lists it
+    unhealthy 2 s later and restarts it (a new URL) after ``reload_s``."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    victim = ctx.fleet.replicas[0]
+    ctx.run.facts["requests_cut"] = _model_in_flight(ctx, [victim])
+    victim.kill()
+    ctx.run.fault_end = time.time()
+    time.sleep(2.0)
+    ctx.fleet.set(0, healthy=False, state="backoff")
+    time.sleep(ctx.size.reload_s)
+    victim.start()
+    ctx.fleet.set(0, healthy=True, state="serving")
+    _outcome(ctx, proc)
+
+
+def single_replica_reload(ctx: Ctx) -> None:
+    """The only replica reloaded under load as run_model.py does it: marked draining, in-flight
+    requests drained, stopped, away for ``reload_s``, back (restart mode: a new URL) as v2."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    replica = ctx.fleet.replicas[0]
+    facts = ctx.run.facts
+    facts["in_flight_at_drain"] = _model_in_flight(ctx, [replica])
+    t0 = time.monotonic()
+    ctx.fleet.set(0, draining=True, state="draining")
+    time.sleep(1.0)  # model_pool.drain_grace_s: clients re-read the file within a second
+    deadline = time.monotonic() + 30
+    while replica.in_flight() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    facts["drained"] = replica.in_flight() == 0
+    facts["drain_s"] = round(time.monotonic() - t0, 1)
+    ctx.fleet.set(0, state="reloading")
+    assert replica.world is not None
+    replica.world.stop()  # SIGTERM: a graceful stop after the drain
+    replica.world = None
+    time.sleep(ctx.size.reload_s)
+    replica.start()
+    ctx.fleet.set(0, draining=False, healthy=True, state="serving", model_version="v2")
+    ctx.run.fault_end = time.time()
+    facts["away_s"] = round(time.monotonic() - t0, 1)
+    _outcome(ctx, proc)
+    facts["model_versions"] = dict(Counter(str(r.get("model_version"))
+                                           for r in ctx.run.lines()))
+
+
+def desktops_killed(ctx: Ctx) -> None:
+    """Four of six desktops' servers SIGKILLed mid-episode: two for good (still listed in
+    static.urls), two (behind a gate) back at the same URLs after ``desktop_back_s``."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    d = ctx.desktops
+    assert d.b is not None and d.c is not None and d.gate is not None
+    ctx.run.facts.update(killed_for_good=["static-2", "static-3"],
+                         killed_and_back=["static-4", "static-5"])
+    _kill_pids(d.b.pids)
+    _kill_pids(d.c.pids)
+    d.gate.down()
+    d.c.stop()
+    t0 = time.monotonic()
+    d.restart_c()
+    time.sleep(max(0.0, ctx.size.desktop_back_s - (time.monotonic() - t0)))
+    assert d.c is not None
+    d.gate.up(_port(d.c.desktop_urls[0]))
+    ctx.run.fault_end = time.time()
+    _outcome(ctx, proc)
+
+
+def desktop_hangs(ctx: Ctx) -> None:
+    """A desktop freezes in the middle of an action's ``/execute``: that request and every
+    later one to it get no answer for ``hang_s``, then it answers again."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    gate = ctx.desktops.gate
+    assert gate is not None
+    gate.freeze_on_execute()
+    if not ctx.run.until(lambda: gate.frozen_prefix is not None,
+                         "an action /execute on a gated desktop", 60):
+        gate.thaw()
+        _outcome(ctx, proc)
+        return
+    index = int((gate.frozen_prefix or b"/d/0/").split(b"/")[2])
+    ctx.run.facts["frozen_desktop"] = f"static-{4 + index}"  # the gated ones are 4 and 5
+    time.sleep(ctx.size.hang_s)
+    ctx.run.facts["requests_held"] = gate.held
+    gate.thaw()
+    ctx.run.fault_end = time.time()
+    _outcome(ctx, proc)
+
+
+def _rerun(ctx: Ctx) -> None:
+    """The operator's answer to a run that stopped: the same command again."""
+    ctx.run.fault_end = time.time()
+    _outcome(ctx, ctx.run.start("rerun"))
+
+
+def _expect_stop(ctx: Ctx, proc: subprocess.Popen[bytes], cause: str) -> None:
+    """The fault must stop the run: exit 1 with one line that names ``cause`` and says how
+    to resume."""
+    code = ctx.run.wait(proc)
+    text = ctx.run.error_text(proc)
+    ctx.run.facts["stopped_with"] = {"exit": code, "message": text and text[:600],
+                                     "message_lines": len(text.splitlines()) if text else 0}
+    if code == 0:
+        ctx.run.notes.append("the run finished despite the fault (nothing failed?)")
+    elif (code != 1 or not text or cause not in text
+          or "rerun the same command to resume" not in text):
+        ctx.run.notes.append(f"the stopped run exited {code} with {text!r:.600} (expected 1, "
+                             f"naming {cause!r} and saying 'rerun the same command')")
+    elif len(text.splitlines()) > 1:
+        ctx.run.notes.append(f"the stop message is {len(text.splitlines())} lines, not one: "
+                             f"{text!r:.600}")
+
+
+def storage_killed(ctx: Ctx) -> None:
+    """The run's StorageActor process SIGKILLed mid-run: the run must stop (exit 1, one
+    line) with nothing half-recorded; the rerun completes it."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    pids = ctx.run.actor_pids("StorageActor")
+    if len(pids) != 1:
+        raise HarnessError(f"expected one ray::StorageActor of this run, found {pids}")
+    os.kill(pids[0], signal.SIGKILL)
+    _expect_stop(ctx, proc, "storage")
+    _rerun(ctx)
+
+
+def disk_full(ctx: Ctx) -> None:
+    """The run directory's own small filesystem filled to the last byte mid-run: the run
+    must stop (or pause) cleanly; space is freed and the rerun completes it."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    filler = fill(ctx.run.run_dir.parent)
+    ctx.run.facts["filler_mb"] = round(filler.stat().st_size / 2**20, 1)
+    _expect_stop(ctx, proc, "No space left on device")
+    filler.unlink()
+    _rerun(ctx)
+
+
+def driver_killed(ctx: Ctx) -> None:
+    """run.py SIGKILLed mid-run; its Ray cluster must go with it (Ray fate-shares the
+    processes a driver starts); the rerun completes the run."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    os.kill(proc.pid, signal.SIGKILL)
+    ctx.run.wait(proc)
+    t0 = time.monotonic()
+    lingering: list[str] = []
+    while (procs := marked(ctx.run.marker)) and time.monotonic() - t0 < ORPHAN_GRACE_S:
+        if not lingering and time.monotonic() - t0 > 5:
+            lingering = sorted(_name(p) for p in procs)
+        time.sleep(0.5)
+    facts = ctx.run.facts
+    facts["cluster_gone_s"] = None if procs else round(time.monotonic() - t0, 1)
+    facts["alive_5s_after_the_kill"] = lingering
+    left = end_marked(ctx.run.marker)
+    facts["orphans"] = left
+    if left:
+        ctx.run.notes.append(f"{len(left)} process(es) of the killed driver's Ray outlived it "
+                             f"by {ORPHAN_GRACE_S:.0f} s (killed by the harness): {left}")
+    _rerun(ctx)
+
+
+def _name(proc: psutil.Process) -> str:
+    with contextlib.suppress(psutil.Error):
+        return f"{proc.pid} {(' '.join(proc.cmdline()[:1]) or proc.name())[:60]}"
+    return str(proc.pid)
+
+
+def runner_killed(ctx: Ctx) -> None:
+    """A TrajectoryRunner actor's worker process SIGKILLed while it runs episodes."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    pids = ctx.run.actor_pids("TrajectoryRunner")
+    if not pids:
+        raise HarnessError("no ray::TrajectoryRunner process of this run")
+    os.kill(pids[0], signal.SIGKILL)
+    ctx.run.fault_end = time.time()
+    ctx.run.facts["runners_at_kill"] = len(pids)
+    _outcome(ctx, proc)
+
+
+def second_driver(ctx: Ctx) -> None:
+    """A second run.py on the same run directory while the first runs: it must exit 1 at once
+    naming the holder, start nothing and change nothing."""
+    proc = _midrun(ctx, episodes=1)
+    if proc is None:
+        return
+    before = json.loads((ctx.run.run_dir / RUN_FILE).read_text())
+    marker = f"{ctx.run.marker}-second"
+    t0 = time.monotonic()
+    second = ctx.run.start("second driver", marker=marker)
+    code = ctx.run.wait(second, 120)
+    ctx.run.fault_end = time.time()
+    text = ctx.run.error_text(second) or ""
+    lines = [x for x in text.splitlines() if x.strip()]
+    facts = ctx.run.facts
+    facts["second"] = {"exit": code, "exit_s": round(time.monotonic() - t0, 1),
+                       "message": text[:600]}
+    left = end_marked(marker)
+    if code != 1 or len(lines) != 1 or "another run.py" not in text \
+            or f"pid {proc.pid}" not in text:
+        ctx.run.notes.append(f"the second driver exited {code}: {text!r:.600} (expected 1 "
+                             f"and one line naming pid {proc.pid})")
+    if left:
+        ctx.run.notes.append(f"the second driver left processes behind: {left}")
+    _outcome(ctx, proc)
+    after = json.loads((ctx.run.run_dir / RUN_FILE).read_text())
+    starts = len(after.get("previous_starts") or [])
+    facts["starts_in_run_json"] = 1 + starts
+    if starts or after.get("started_at") != before.get("started_at"):
+        ctx.run.notes.append("run.json records a start of the second driver")
+
+
+SCENARIO_FUNCS: dict[str, Callable[[Ctx], None]] = {
     "model_down": model_down, "replica_killed": replica_killed,
     "single_replica_reload": single_replica_reload, "desktops_killed": desktops_killed,
     "desktop_hangs": desktop_hangs, "storage_killed": storage_killed, "disk_full": disk_full,
@@ -466,78 +811,246 @@ RUNNERS: dict[str, Callable[[Run, Replicas, list[SimWorld]], float | None]] = {
 }
 
 
-def run_scenario(name: str, size: Size) -> dict[str, Any]:
-    work = Path(tempfile.mkdtemp(prefix=f"cua-chaos-{name}-"))
-    replicas: Replicas | None = None
-    desktops: list[SimWorld] = []
-    started = time.monotonic()
+# --------------------------------------------------------------------------- counting
+
+
+def _misrecorded(run_dir: Path, record: dict[str, Any]) -> str | None:
+    """Why the episode's directory disagrees with its final results.jsonl line (or None)."""
+    directory = run_dir / str(record.get("episode_id"))
     try:
-        desktops = [SimWorld(desktops=3, desktop=DESKTOP).start() for _ in range(2)]
-        replicas = Replicas(work / "model-state", 1 if name == "single_replica_reload" else 2)
+        on_disk = json.loads((directory / EPISODE_FILE).read_text())
+    except (OSError, ValueError) as exc:
+        return f"{EPISODE_FILE}: {type(exc).__name__}"
+    for key in ("attempt", "status", "reward"):
+        if on_disk.get(key) != record.get(key):
+            return f"{EPISODE_FILE} {key} {on_disk.get(key)!r} != line's {record.get(key)!r}"
+    if record.get("status") not in SCORED:
+        return None
+    reward = float(record.get("reward") or 0.0)
+    try:
+        if float((directory / OSWORLD_RESULT_FILE).read_text()) != reward:
+            return f"{OSWORLD_RESULT_FILE} differs from the line's reward {reward}"
+    except (OSError, ValueError) as exc:
+        return f"{OSWORLD_RESULT_FILE}: {type(exc).__name__}"
+    steps, broken = read_jsonl(directory / TRAJ_FILE)
+    if not (directory / TRAJ_FILE).is_file():
+        return f"{TRAJ_FILE} missing"
+    if broken or len(steps) != int(record.get("steps") or 0):
+        return f"{TRAJ_FILE}: {len(steps)} lines ({broken} broken) for {record.get('steps')} steps"
+    if steps and float(steps[-1].get("reward") or 0.0) != reward:
+        return f"{TRAJ_FILE}: last line's reward differs from {reward}"
+    for step in steps:
+        for key in ("screenshot_file", "observation_file"):
+            name = step.get(key)
+            if name and not (directory / name).is_file():
+                return f"{name} (named by {TRAJ_FILE}) missing"
+    return None
+
+
+def count(run_dir: Path, expected: int, expected_ids: set[str] | None = None
+          ) -> dict[str, Any]:
+    """The six counts of a run directory (and, under ``why``, what each misrecord was)."""
+    index, broken = read_jsonl(run_dir / RESULTS_FILE)
+    archive, archive_broken = read_jsonl(run_dir / SUPERSEDED_RESULTS_FILE)
+    ids = Counter(str(r.get("episode_id")) for r in index)
+    last = {str(r.get("episode_id")): r for r in index}
+    wanted = expected_ids if expected_ids is not None else set(ids)
+    recorded = len(wanted & set(ids))
+    why = {eid: reason for eid, record in last.items()
+           if (reason := _misrecorded(run_dir, record)) is not None}
+    return {
+        "expected": expected,
+        "recorded": recorded,
+        "lost": expected - recorded,
+        "duplicated": (sum(n - 1 for n in ids.values())
+                       + sum(r.get("status") != "infra_error" for r in archive)),
+        "misrecorded": len(why),
+        "outage_infra_errors": sum(r.get("status") == "infra_error" for r in (*index, *archive)),
+        "why": {"misrecorded": why, "broken_lines": broken + archive_broken,
+                "unexpected_ids": sorted(set(ids) - wanted)},
+    }
+
+
+def recover_s(run_dir: Path, fault_end: float | None) -> float | None:
+    """Seconds from ``fault_end`` to the first episode (any line) that ended after it."""
+    if fault_end is None:
+        return None
+    lines = [*read_jsonl(run_dir / RESULTS_FILE)[0],
+             *read_jsonl(run_dir / SUPERSEDED_RESULTS_FILE)[0]]
+    ends = [float(r["ended_at"]) for r in lines
+            if isinstance(r.get("ended_at"), int | float) and r["ended_at"] >= fault_end]
+    return round(min(ends) - fault_end, 1) if ends else None
+
+
+def metrics_facts(run_dir: Path) -> dict[str, Any]:
+    """What the coordinator saw (max over the metrics samples of every start)."""
+    samples = read_jsonl(run_dir / METRICS_FILE)[0]
+    out: dict[str, Any] = {"model_outages": 0, "desktop_outages": 0, "retries": 0,
+                           "runners_replaced": 0, "status_lines": []}
+    for s in samples:
+        outages = s.get("outages") or {}
+        out["model_outages"] = max(out["model_outages"],
+                                   (outages.get("model") or {}).get("count", 0))
+        out["desktop_outages"] = max(out["desktop_outages"],
+                                     (outages.get("desktop") or {}).get("count", 0))
+        out["retries"] = max(out["retries"], s.get("retries") or 0)
+        out["runners_replaced"] = max(out["runners_replaced"], s.get("runners_replaced") or 0)
+        waiting = s.get("waiting")  # what the progress bar shows while a side is down
+        if waiting and "checking" not in waiting:
+            lines = out["status_lines"]
+            # The first line of each outage and the last: e.g. "... 1 s" and "... 58 s".
+            if len(lines) < 2:
+                lines.append(waiting)
+            else:
+                lines[-1] = waiting
+    return out
+
+
+# --------------------------------------------------------------------------- a scenario
+
+
+def run_scenario(name: str, size: Size, keep: bool = False) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="chaos-"))
+    started = time.monotonic()
+    row: dict[str, Any] = {"name": name}
+    marker = f"{name}-{uuid.uuid4().hex[:12]}"
+    run: Run | None = None
+    try:
         with contextlib.ExitStack() as stack:
-            run_root = None
-            sets: dict[str, Any] = {}
+            if keep:
+                row["kept"] = str(work)
+            else:
+                stack.callback(shutil.rmtree, work, True)
+            desktops = Desktops()
+            stack.callback(desktops.stop)
+            if name == "model_down":
+                fleet = Fleet(2, None, gated=True)
+            else:
+                fleet = Fleet(1 if name == "single_replica_reload" else 2, work / "fleet")
+            stack.callback(fleet.stop)
+            run_root = work / "results"
             if name == "disk_full":
-                if os.geteuid() != 0:
-                    return {"name": name, "skipped": "needs root to mount a small filesystem"}
-                run_root = stack.enter_context(small_filesystem(work / "fs", 64 * 1024 * 1024))
-                sets["runner__save_screenshots"] = False
-            run = stack.enter_context(scenario_run(name, size, desktops, replicas, work,
-                                                   run_root, **sets))
-            recover = RUNNERS[name](run, replicas, desktops)
-            return {"name": name, **count(run, size), "recover_s": recover,
-                    "wall_s": round(time.monotonic() - started, 1)}
+                run_root = stack.enter_context(small_filesystem(work / "fs", 16 * 2**20))
+            config = make_config(name, size, work, run_root, desktops, fleet)
+            run = Run(work, run_root / name, config, size, marker)
+            # Last in, first out: the run's processes end before the mount and the servers.
+            stack.callback(_end_run, run)
+            SCENARIO_FUNCS[name](Ctx(run, desktops, fleet, size))
+            n = tasks_for(name, size)
+            counts = count(run.run_dir, n, {f"chaos/t{i:04d}/0" for i in range(n)})
+            why = counts.pop("why")
+            row.update(counts)
+            row["recover_s"] = recover_s(run.run_dir, run.fault_end)
+            row["wall_s"] = round(time.monotonic() - started, 1)
+            row["exit_codes"] = run.exit_codes
+            row["facts"] = {**run.facts, **metrics_facts(run.run_dir)}
+            if name in ("desktops_killed", "desktop_hangs") and run.fault_end is not None:
+                # Which desktops served episodes started after the fault: a desktop that
+                # came back is among them, one killed for good is not.
+                row["facts"]["desktops_after_fault"] = sorted({
+                    str(r.get("desktop")) for r in run.lines()
+                    if float(r.get("started_at") or 0) >= run.fault_end})
+            if why["misrecorded"] or why["broken_lines"] or why["unexpected_ids"]:
+                row["facts"]["why"] = why
+            if why["broken_lines"]:
+                run.notes.append(f"{why['broken_lines']} line(s) of results.jsonl (or the "
+                                 "archive) are not JSON")
+            attempts = Counter(int(r.get("attempt") or 0) for r in run.lines())
+            row["facts"]["attempts"] = {str(k): v for k, v in sorted(attempts.items())}
+            waits = [float((r.get("timing") or {}).get("outage_wait_s") or 0)
+                     for r in run.lines()]
+            if name in MODEL_SCENARIOS:  # episodes that waited the outage out in place
+                row["facts"]["waited"] = {"episodes": sum(w > 0 for w in waits),
+                                          "max_s": round(max(waits, default=0.0), 1)}
+            if name in MODEL_SCENARIOS and set(attempts) - {0}:
+                run.notes.append(f"a model outage used up attempts: {dict(attempts)} (an "
+                                 "outage must requeue without using one)")
+            if row["recover_s"] is None and run.fault_end is not None:
+                run.notes.append("no episode ended after the fault")
+            row["notes"] = run.notes
+            if any(row[k] for k in COUNTS[2:]) or run.notes:
+                row["log_tail"] = run.tail()
+        return row
     except Exception as exc:
-        log = work / f"{name}.log"
-        tail = log.read_text(errors="replace")[-2000:] if log.exists() else ""
-        return {"name": name, "error": f"{type(exc).__name__}: {exc}", "log_tail": tail}
-    finally:
-        if replicas is not None:
-            replicas.stop()
-        for world in desktops:
-            for pid in world.pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGCONT)
-            world.stop()
-        shutil.rmtree(work, ignore_errors=True)
+        row["error"] = f"{type(exc).__name__}: {exc}"
+        row["traceback"] = traceback.format_exc()[-3000:]
+        if run is not None:
+            row["notes"] = run.notes
+            row["log_tail"] = run.tail()
+        return row
 
 
-COUNTS = ("expected", "recorded", "lost", "duplicated", "misrecorded", "outage_infra_errors")
+def _end_run(run: Run) -> None:
+    """End the run's drivers and whatever of their Ray clusters is left, by pid."""
+    for proc in run.drivers:
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()
+    left = end_marked(run.marker, grace_s=10.0)
+    if left:
+        run.notes.append(f"processes of the run outlived its drivers (killed): {left}")
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+# --------------------------------------------------------------------------- output
+
+
+def print_table(rows: list[dict[str, Any]], runtime_s: float, mode: str) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(title="chaos run: every count should be 0 (expected = recorded)")
-    for column in ("scenario", *COUNTS, "recover_s", "wall_s"):
+    table = Table(title=f"chaos run ({mode}, {runtime_s:.0f} s): every count should be 0")
+    for column in ("scenario", *COUNTS, "recover_s", "wall_s", "exits"):
         table.add_column(column, justify="left" if column == "scenario" else "right")
     for row in rows:
-        if "error" in row or "skipped" in row:
-            table.add_row(row["name"], row.get("error") or f"skipped: {row['skipped']}")
+        if "error" in row:
+            table.add_row(row["name"], f"[red]harness error: {row['error']}")
             continue
-        table.add_row(row["name"], *(str(row[c]) for c in COUNTS), str(row["recover_s"]),
-                      str(row["wall_s"]))
-    Console(width=150).print(table)
+        cells = []
+        for c in COUNTS:
+            bad = c not in ("expected", "recorded") and row[c]
+            cells.append(f"[red]{row[c]}" if bad else str(row[c]))
+        table.add_row(row["name"], *cells, str(row["recover_s"]), str(row["wall_s"]),
+                      " ".join(str(c) for c in row["exit_codes"]))
+    console = Console(width=160)
+    console.print(table)
+    for row in rows:
+        for note in row.get("notes") or []:
+            console.print(f"  {row['name']}: {note}", markup=False)
+        why = (row.get("facts") or {}).get("why")
+        if why:
+            console.print(f"  {row['name']}: {json.dumps(why)[:1500]}", markup=False)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="short outages, 12 episodes")
+    parser.add_argument("--quick", action="store_true",
+                        help=f"{QUICK.tasks} episodes, {QUICK.outage_s:g} s outages "
+                        f"(default: {FULL.tasks} episodes, {FULL.outage_s:g} s)")
     parser.add_argument("--json", type=Path, help="write the figures here")
     parser.add_argument("--only", nargs="+", choices=SCENARIOS, help="run only these")
+    parser.add_argument("--keep", action="store_true",
+                        help="keep each scenario's temp dir (run dir, logs) to look at")
     args = parser.parse_args(argv)
     size = QUICK if args.quick else FULL
+    mode = "quick" if args.quick else "full"
+    t0 = time.monotonic()
     rows = []
     for name in args.only or SCENARIOS:
         print(f"scenario {name} ...", file=sys.stderr, flush=True)
-        rows.append(run_scenario(name, size))
-        if "error" in rows[-1]:
-            print(rows[-1]["log_tail"], file=sys.stderr)
-    print_table(rows)
+        rows.append(run_scenario(name, size, args.keep))
+        row = rows[-1]
+        if "error" in row:
+            print(row["traceback"], row.get("log_tail", ""), sep="\n", file=sys.stderr)
+        else:
+            print(f"  {json.dumps({k: row[k] for k in (*COUNTS, 'recover_s', 'wall_s')})}",
+                  file=sys.stderr, flush=True)
+    runtime_s = time.monotonic() - t0
+    print_table(rows, runtime_s, mode)
     if args.json is not None:
-        args.json.write_text(json.dumps({"scenarios": rows}, indent=2))
-    return 0
+        args.json.write_text(json.dumps({"mode": mode, "runtime_s": round(runtime_s, 1),
+                                         "scenarios": rows}, indent=2))
+    return 1 if any("error" in row for row in rows) else 0
 
 
 if __name__ == "__main__":
