@@ -22,6 +22,7 @@ from rollout.errors import ConfigError
 
 __all__ = [
     "LEASE_MARGIN_S", "Config", "CoordinatorConfig", "DesktopsConfig", "DynamicRolloutsConfig",
+    "EvaluationConfig",
     "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig", "ModelPoolConfig",
     "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig", "SamplingConfig",
     "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "add_config_arguments",
@@ -318,7 +319,24 @@ class DesktopsConfig(_Section):
     client_password_env: str | None = None
     """Name of the environment variable replacing ``{CLIENT_PASSWORD}`` in task setup."""
     download_cache_dir: Path = Path("cache")
-    """Local files that task ``download`` steps use (there is no network to fetch them)."""
+    """Cache of files tasks download (setup ``download`` steps, the ``cloud_file`` getter),
+    shared by every desktop and run on this host: each URL is fetched once. OSWorld's own
+    cache names (``<task_id>/<name>``) are read as they are."""
+    offline: bool = False
+    """Never fetch: downloads read only ``download_cache_dir``, and a missing file is an
+    error naming its URL and the cache path it was looked for under."""
+    download_timeout_s: PositiveFloat = 300.0
+    """Deadline of fetching one file into the cache."""
+    chromium_port: Annotated[int, Field(ge=1, le=65535)] = 9222
+    """Port of the desktop's Chromium remote debugging (DevTools) endpoint, on the desktop's
+    host: OSWorld's VMs forward 9222 to Chrome's 1337 with socat. Chrome setup steps and
+    getters use it."""
+    vlc_port: Annotated[int, Field(ge=1, le=65535)] = 8080
+    """Port of VLC's HTTP interface on the desktop's host (OSWorld's VLC getters)."""
+    accounts_dir: Path | None = None
+    """OSWorld's ``settings`` folder with the credentials its ``login`` and ``googledrive``
+    setup steps read (``google/settings.json``, ``googledrive/settings.yml`` ...). Null:
+    tasks with those steps are refused when they load (they also need the internet)."""
     task_file_roots: list[Path] = []
     """Other directories whose files tasks may upload to a desktop (``upload_file``); run.py
     adds the folder of ``tasks.source`` and ``tasks.examples_dir``. Nothing else on this host
@@ -329,6 +347,25 @@ class DesktopsConfig(_Section):
     """Settings of the ``static`` provider."""
     kubernetes: KubernetesDesktopsConfig = KubernetesDesktopsConfig()
     """Settings of the ``kubernetes`` provider."""
+
+
+class EvaluationConfig(_Section):
+    """How episodes are scored: OSWorld's rules, by our own functions or OSWorld's code."""
+
+    engine: Literal["auto", "native", "osworld"] = "auto"
+    """``auto``: a task whose metrics and getters all have a native implementation (parity-
+    tested against OSWorld's) is scored natively, any other one by OSWorld's own evaluator
+    code in a worker process; ``native``: never the worker (tasks that need it are refused
+    when they load); ``osworld``: every task by OSWorld's code."""
+    osworld_python: Path | None = None
+    """Interpreter of the environment holding OSWorld's evaluator code (``desktop-env``,
+    installed by ``scripts/setup_env.sh --osworld``). Null: ``.venv-osworld/bin/python`` of
+    this project, when it exists."""
+    osworld_path: Path | None = None
+    """A checkout of OSWorld whose ``desktop_env`` package is used instead of the installed
+    one (put first on the worker's import path)."""
+    worker_start_timeout_s: PositiveFloat = 120.0
+    """Deadline for the worker to import OSWorld's evaluators and answer."""
 
 
 class CoordinatorConfig(_Section):
@@ -423,6 +460,7 @@ class Config(_Section):
     desktops: DesktopsConfig = DesktopsConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
     runner: RunnerConfig = RunnerConfig()
+    evaluation: EvaluationConfig = EvaluationConfig()
     storage: StorageConfig = StorageConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
 

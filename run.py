@@ -28,6 +28,7 @@ from typing import Any
 
 from config import Config, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
+from rollout.evaluation.preflight import TaskChecker
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.http import redact_urls
@@ -173,8 +174,19 @@ def _absolute_paths(cfg: Config) -> Config:
         "task_file_roots": list(dict.fromkeys(task_roots)),
         "local": cfg.desktops.local.model_copy(
             update={"state_dir": Path(cfg.desktops.local.state_dir).resolve()}),
+        "accounts_dir": _resolved(cfg.desktops.accounts_dir),
     })
-    return cfg.model_copy(update={"desktops": desktops})
+    evaluation = cfg.evaluation.model_copy(update={
+        "osworld_python": _resolved(cfg.evaluation.osworld_python),
+        "osworld_path": _resolved(cfg.evaluation.osworld_path),
+    })
+    return cfg.model_copy(update={"desktops": desktops, "evaluation": evaluation})
+
+
+def _resolved(path: Path | None) -> Path | None:
+    # Not resolve(): an interpreter is often a symlink (a venv's bin/python) whose location
+    # decides which environment it runs.
+    return None if path is None else Path(path).absolute()
 
 
 # --------------------------------------------------------------------------- summary
@@ -318,8 +330,9 @@ def run(cfg: Config) -> int:
             "run": cfg.run.name, "config": redact_urls(cfg.model_dump(mode="json")),
             "versions": _versions(), "host": platform.node(), "command": redact_urls(sys.argv),
         })
-        # Read results.jsonl after the storage repaired a line a crash may have cut.
-        loader = TaskLoader(cfg.tasks, run_dir)
+        # Read results.jsonl after the storage repaired a line a crash may have cut. Tasks
+        # that cannot be set up or scored here are reported and skipped now (pre-flight).
+        loader = TaskLoader(cfg.tasks, run_dir, check=TaskChecker(cfg))
         summary = None
         fatal: str | None = None
         try:
@@ -330,7 +343,8 @@ def run(cfg: Config) -> int:
             stop_actors(actors, status, summary)
     problems = loader.problems
     if problems:
-        print(f"{len(problems)} task(s) could not be loaded:", file=sys.stderr)
+        print(f"{len(problems)} task(s) could not be loaded or cannot run here:",
+              file=sys.stderr)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
     if fatal is not None:

@@ -25,6 +25,7 @@ from rollout.layout import RESULTS_FILE
 from rollout.types import SCORED_STATUSES, EpisodeSpec
 
 __all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
+           "load_tasks",
            "name_problem", "validate_task"]
 
 logger = logging.getLogger(__name__)
@@ -83,9 +84,9 @@ def name_problem(name: str) -> str | None:
 def validate_task(
     task: Any, *, path: Path, osworld: bool, line: int | None = None
 ) -> list[TaskProblem]:
-    """Problems of one task dict. ``osworld``: ``config`` and ``evaluator`` are required
-    (OSWorld task files); otherwise only ``id`` and ``instruction`` are, and the others are
-    type-checked when present."""
+    """Problems of one task dict. ``osworld``: ``evaluator`` is required (OSWorld task
+    files); otherwise only ``id`` and ``instruction`` are, and the others are type-checked
+    when present (``config`` may be missing: no setup steps, as OSWorld reads it)."""
 
     def problem(name: str | None, message: str) -> TaskProblem:
         return TaskProblem(path, name, message, line)
@@ -109,9 +110,9 @@ def validate_task(
         elif (bad := name_problem(task["domain"])) is not None:
             problems.append(problem("domain", bad))
 
+    # A task file without "config" has no setup steps (OSWorld reads it so).
     if "config" not in task:
-        if osworld:
-            problems.append(problem("config", "missing (a list of setup steps, may be empty)"))
+        pass
     elif not isinstance(task["config"], list):
         problems.append(problem("config", f"must be a list, got {type(task['config']).__name__}"))
     else:
@@ -338,6 +339,16 @@ class _DirectorySource(_Source):
         return tasks, problems
 
 
+def load_tasks(source: Path, examples_dir: Path | None = None
+               ) -> tuple[list[tuple[str, str, dict[str, Any]]], list[TaskProblem]]:
+    """Every task of ``source`` (a task list with its examples folder, a JSONL file or a
+    folder of task files) as ``(domain, task_id, task)``, and the problems of those that could
+    not be read: what the loader sees, for tools that check a task set."""
+    loader_cfg = TasksConfig(source=source, examples_dir=examples_dir)
+    tasks, problems = TaskLoader._make_source(loader_cfg).scan(lambda domain, task_id: True)
+    return [(t.domain, t.task_id, t.task) for t in tasks], problems
+
+
 # --------------------------------------------------------------------------- loader
 
 
@@ -351,9 +362,14 @@ class TaskLoader:
     what is new. ``problems`` lists the tasks that could not be loaded right now.
     """
 
-    def __init__(self, cfg: TasksConfig, run_dir: Path) -> None:
+    def __init__(self, cfg: TasksConfig, run_dir: Path,
+                 check: Callable[[dict[str, Any]], list[Any]] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
+        # Pre-flight (rollout.evaluation.preflight.TaskChecker): a task it finds problems
+        # in is reported and skipped before any desktop or model time is spent on it.
+        self._check = check
+        self._checked: dict[tuple[str, str], tuple[dict[str, Any], list[Any]]] = {}
         self._source = self._make_source(cfg)
         self._domains = set(cfg.domains) if cfg.domains is not None else None
         self._task_ids = set(cfg.task_ids) if cfg.task_ids is not None else None
@@ -485,6 +501,11 @@ class TaskLoader:
                 )
                 continue
             first[key] = t.path
+            found = self._preflight(t)
+            if found:
+                problems.append(TaskProblem(t.path, "cannot run here",
+                                            "; ".join(map(str, found))))
+                continue
             unique.append(t)
         self._tasks = unique
         self._problems = problems
@@ -492,6 +513,18 @@ class TaskLoader:
             if problem not in self._logged:
                 self._logged.add(problem)
                 logger.warning("task skipped: %s", problem)
+
+    def _preflight(self, t: _Task) -> list[Any]:
+        """The checker's problems of a task, checked again only when its file changed (the
+        source hands out a new dict then)."""
+        if self._check is None:
+            return []
+        key = (t.domain, t.task_id)
+        cached = self._checked.get(key)
+        if cached is None or cached[0] is not t.task:
+            cached = (t.task, list(self._check(t.task)))
+            self._checked[key] = cached
+        return cached[1]
 
     def _read_results(self) -> None:
         """Resume: an episode is finished when its last line in results.jsonl (a rerun's

@@ -38,7 +38,7 @@ from rollout.errors import (
     UnsupportedEvaluator,
     one_line,
 )
-from rollout.evaluation import evaluate
+from rollout.evaluation import Evaluator
 from rollout.layout import screenshot_name
 from rollout.monitoring import Metrics
 from rollout.screenshot import Screenshot
@@ -183,6 +183,7 @@ class _Episode:
         self.last_messages: list[dict[str, Any]] | None = None
         self.reset_done = False
         self.held_record: dict[str, Any] | None = None
+        self.pending_record: dict[str, Any] | None = None  # the step whose action runs
         # Unique per run of an attempt (an outage requeues the same attempt): a revoked
         # owner (release_owned) never matches a later run's lease.
         self.owner = f"{runner.runner_id}/{self.session_id}/{uuid.uuid4().hex[:12]}"
@@ -284,22 +285,25 @@ class _Episode:
         )
         self.last_messages = messages
         generation, parsed, retries, model_s = await self._generate(messages, width, height)
-        self.steps = step
         self.history.append(Turn(shot, generation.text))
         self._forget_old_screenshot()
         sampling = self.cfg.model.sampling
         record = step_record(step, generation, parsed, retries, self.files.file_of(shot),
                              token_ids=sampling.return_token_ids, logprobs=sampling.logprobs)
+        self.steps = step
 
         env_started = time.monotonic()
         code, terminal = self.decider.decide(parsed)
+        record["action"] = terminal if code is None else (
+            code if terminal in (None, WAIT) else f"{code}\n{terminal}")
+        # The step counts from here (its action may run): a deadline or a cancel before it
+        # is held below still writes its line, so result.steps is traj.jsonl's line count.
+        self.pending_record = record
         if code is not None:
             result = await env.step(code, pause_s=runner_cfg.action_pause_s)
             record["info"] = {"returncode": result.returncode, "error": result.error or None}
         if terminal == WAIT:
             await env.step(WAIT, pause_s=runner_cfg.wait_s)
-        record["action"] = terminal if code is None else (
-            code if terminal in (None, WAIT) else f"{code}\n{terminal}")
         ended = terminal in (DONE, FAIL)
         next_shot = None if ended else await env.observe()
         self._time_step(record, model_s, time.monotonic() - env_started,
@@ -307,7 +311,7 @@ class _Episode:
         record["done"] = ended
         # A step's line is written with the next step's screenshot (or at the end, when
         # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
-        previous, self.held_record = self.held_record, record
+        previous, self.held_record, self.pending_record = self.held_record, record, None
         if next_shot is None:
             self.last_action = terminal
             if previous is not None:
@@ -392,9 +396,9 @@ class _Episode:
         t0 = time.monotonic()
         try:
             reward = await asyncio.wait_for(
-                evaluate(env, self.task, self.last_action,  # type: ignore[arg-type]
-                         cache_dir=Path(self.cfg.desktops.download_cache_dir),
-                         task_id=str(self.task.get("id", "")) or None),
+                self.r.evaluator.evaluate(env, self.task,  # type: ignore[arg-type]
+                                          self.last_action,
+                                          task_id=str(self.task.get("id", "")) or None),
                 self.cfg.runner.evaluation_timeout_s)
         except TimeoutError:
             raise _EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
@@ -460,10 +464,14 @@ class _Episode:
             log.error("episode %s: returning its desktop failed: %s", self.spec.episode_id, exc)
         try:
             if self.desktop is not None:  # the episode's directory exists
-                if self.held_record is not None:
-                    last, self.held_record = self.held_record, None
-                    last.update(done=True, reward=reward)
-                    await within(self.writer.step(last), _ACTOR_CALL_TIMEOUT_S, "the storage")
+                # The held line (the last finished step) and a step cut short by a deadline
+                # or a cancel; the last of them carries the reward and done=true.
+                lines = [r for r in (self.held_record, self.pending_record) if r is not None]
+                self.held_record = self.pending_record = None
+                for n, line in enumerate(lines, 1):
+                    if n == len(lines):
+                        line.update(done=True, reward=reward)
+                    await within(self.writer.step(line), _ACTOR_CALL_TIMEOUT_S, "the storage")
                 failed = await within(
                     self.writer.finish(self.result(status, error, retryable, reward).record(),
                                        self.files.messages_for_disk(self.last_messages)),
@@ -520,6 +528,7 @@ class TrajectoryRunner:
         self.env_factory = env_factory
         self.node_id = _node_id()
         self._model: ModelServicePool | None = None
+        self._evaluator: Evaluator | None = None
         self._metrics: Metrics | None = None
         self._episodes: dict[str, asyncio.Task[EpisodeResult]] = {}
         self._recent: OrderedDict[str, EpisodeResult] = OrderedDict()
@@ -533,6 +542,14 @@ class TrajectoryRunner:
             state = Path(self.model_state_dir) if self.model_state_dir else None
             self._model = ModelServicePool(self.cfg.model, state)
         return self._model
+
+    @property
+    def evaluator(self) -> Evaluator:
+        """Scores this runner's episodes; OSWorld's worker starts on the first task that
+        needs it and stays warm."""
+        if self._evaluator is None:
+            self._evaluator = Evaluator.from_config(self.cfg)
+        return self._evaluator
 
     def step_done(self, timing: dict[str, float]) -> None:
         self.counters["steps"] += 1
@@ -620,6 +637,9 @@ class TrajectoryRunner:
         if self._model is not None:
             await self._model.close()
             self._model = None
+        if self._evaluator is not None:
+            await self._evaluator.close()
+            self._evaluator = None
         from env_k8s import close_shared_client
 
         await close_shared_client()

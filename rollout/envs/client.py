@@ -31,7 +31,7 @@ from desktop.protocol import (
 )
 from rollout.aio import backoff_s
 from rollout.envs import setup_steps
-from rollout.envs.contract import SPECIAL_ACTIONS, WAIT, StepResult
+from rollout.envs.contract import SPECIAL_ACTIONS, WAIT, DesktopAddress, StepResult
 from rollout.errors import DesktopError
 from rollout.http import error_text, redact_url, ssl_context
 from rollout.screenshot import Screenshot
@@ -293,6 +293,20 @@ class RemoteDesktopEnv:
     def client_password(self) -> str | None:
         """The desktop user's password (``{CLIENT_PASSWORD}`` in task files), if configured."""
         return self._password
+
+    @property
+    def devtools_url(self) -> str:
+        """The desktop browser's DevTools endpoint: ``desktops.chromium_port`` on the
+        desktop's host (chrome setup steps)."""
+        host = httpx2.URL(self.base_url).host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.cfg.chromium_port}"
+
+    def address(self) -> DesktopAddress:
+        """Where OSWorld's own evaluator code reaches this desktop (its server with the
+        token, Chromium's and VLC's ports on its host): see rollout/evaluation/."""
+        return DesktopAddress(self.base_url, self._headers.get("Authorization", "")
+                              .removeprefix("Bearer ") or None,
+                              self.cfg.chromium_port, self.cfg.vlc_port)
 
     # ----------------------------------------------------------------- transport
 

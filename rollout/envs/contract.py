@@ -12,8 +12,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from rollout.screenshot import Screenshot
 
-__all__ = ["DONE", "FAIL", "SPECIAL_ACTIONS", "WAIT", "DesktopEnv", "DesktopProbe",
-           "StepResult"]
+__all__ = ["DONE", "FAIL", "SPECIAL_ACTIONS", "WAIT", "DesktopAddress", "DesktopEnv",
+           "DesktopProbe", "StepResult"]
 
 # OSWorld's special actions: ``step`` takes them besides pyautogui code. WAIT pauses, DONE
 # and FAIL end the episode (FAIL: the agent gave up, which scores an infeasible task).
@@ -85,3 +85,18 @@ class DesktopProbe(Protocol):
     async def run_setup_step(self, step: Mapping[str, Any], index: int = 0) -> None:
         """One OSWorld setup step (evaluators' ``postconfig``)."""
         ...
+
+
+@dataclass(frozen=True)
+class DesktopAddress:
+    """Where OSWorld's code reaches a desktop: its server (with the bearer token our servers
+    want) and, on the same host, Chromium's DevTools and VLC's HTTP ports."""
+
+    url: str
+    token: str | None = None
+    chromium_port: int = 9222
+    vlc_port: int = 8080
+
+    def wire(self) -> dict[str, Any]:
+        return {"url": self.url, "token": self.token, "chromium_port": self.chromium_port,
+                "vlc_port": self.vlc_port}

@@ -13,6 +13,7 @@ import asyncio
 import os
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +22,7 @@ from rollout.envs.setup_steps import confined_path
 from rollout.errors import UnsupportedEvaluator
 
 __all__ = ["GETTERS", "EvalContext", "Getter", "get_accessibility_tree", "get_cache_file",
+           "get_cloud_file",
            "get_rule", "get_vm_command_line", "get_vm_file", "get_vm_terminal_output",
            "local_file"]
 
@@ -34,6 +36,7 @@ class EvalContext:
     cache_dir: Path
     task_id: str | None
     scratch: Path
+    evaluator: Any = None  # the Evaluator: its download cache serves cloud_file
 
     def readable_roots(self) -> list[Path]:
         """The only directories of this host whose files scoring may read."""
@@ -53,28 +56,69 @@ def local_file(path: str | os.PathLike[str], roots: list[Path], what: str) -> Pa
 
 
 async def get_vm_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
-    """Files from the desktop, saved locally; returns the local path (None if missing).
-    ``multi: true`` takes lists ``path``/``dest`` and returns a list."""
-    if cfg.get("multi"):
-        pairs = list(zip(cfg["path"], cfg["dest"], strict=True))
+    """OSWorld's ``vm_file``: files from the desktop saved under ``dest`` in this
+    evaluation's directory. ``multi`` takes lists ``path``/``dest``; ``gives`` (default
+    ``[0]``) picks which local paths the metric gets: one path alone, several as a list; a
+    file the desktop does not have is None. ``time_suffix`` (single file) appends the time
+    in ``time_format`` to ``dest``'s stem, as OSWorld does."""
+    if not cfg.get("multi", False):
+        paths = [cfg["path"]]
+        dests = [cfg.get("dest") or os.path.basename(cfg["path"])]
+        if cfg.get("time_suffix", False):
+            stamp = datetime.now().strftime(cfg.get("time_format", "%Y%m%d_%H%M%S"))
+            dests = [f"{os.path.splitext(d)[0]}_{stamp}{os.path.splitext(d)[1]}"
+                     for d in dests]
     else:
-        pairs = [(cfg["path"], cfg.get("dest") or os.path.basename(cfg["path"]))]
+        paths, dests = list(cfg["path"]), list(cfg["dest"])
+    gives = set(cfg.get("gives", [0]))
     out: list[str | None] = []
-    for remote, dest in pairs:
-        local = local_file(ctx.scratch / os.path.basename(dest), [ctx.scratch], "vm_file dest")
+    for i, (remote, dest) in enumerate(zip(paths, dests, strict=False)):
+        local = local_file(ctx.scratch / dest, [ctx.scratch], "vm_file dest")
         data = await ctx.probe.get_file(remote)
         if data is None:
-            out.append(None)
+            if i in gives:
+                out.append(None)
             continue
-        await asyncio.to_thread(local.write_bytes, data)
-        out.append(str(local))
-    return out if cfg.get("multi") else out[0]
+        try:
+            await asyncio.to_thread(_write, local, data)
+        except OSError:
+            if i in gives:
+                out.append(None)
+            continue
+        if i in gives:
+            out.append(str(local))
+    return out[0] if len(out) == 1 else out
 
 
-async def get_vm_command_line(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
-    """The standard output of a command run on the desktop."""
+async def get_cloud_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
+    """OSWorld's ``cloud_file``: files by URL, fetched once per host into the shared download
+    cache and placed under ``dest`` in this evaluation's directory; ``multi`` and ``gives``
+    as for ``vm_file`` (every file is fetched; the metric gets the ones in ``gives``)."""
+    if ctx.evaluator is None:
+        raise UnsupportedEvaluator("cloud_file needs the download cache (score with an "
+                                   "Evaluator)")
+    if cfg.get("multi", False):
+        pairs = list(zip(cfg["path"], cfg["dest"], strict=False))
+    else:
+        pairs = [(cfg["path"], cfg["dest"])]
+    gives = set(cfg.get("gives", [0]))
+    out: list[str] = []
+    for i, (url, dest) in enumerate(pairs):
+        local = await ctx.evaluator.place_cloud_file(url, dest, ctx.scratch, ctx.task_id)
+        if i in gives:
+            out.append(str(local))
+    return out[0] if len(out) == 1 else out
+
+
+def _write(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+async def get_vm_command_line(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
+    """The standard output of a command run on the desktop (``/execute``)."""
     reply = await ctx.probe.execute(cfg["command"], shell=bool(cfg.get("shell", False)))
-    return str(reply.get("output") or "")
+    return reply.get("output")
 
 
 async def get_vm_terminal_output(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
@@ -102,6 +146,7 @@ async def get_cache_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
 
 GETTERS: dict[str, Getter] = {
     "vm_file": get_vm_file,
+    "cloud_file": get_cloud_file,
     "vm_command_line": get_vm_command_line,
     "vm_terminal_output": get_vm_terminal_output,
     "accessibility_tree": get_accessibility_tree,

@@ -192,7 +192,7 @@ async def test_an_unsupported_setup_step_is_not_retried_and_leaves_the_desktop_h
     task = {**TASK, "config": [{"type": "googledrive", "parameters": {}}]}
     result = await world.run(task)
     assert (result.status, result.retryable) == ("infra_error", False)
-    assert "setup step type 'googledrive' is not supported" in result.error
+    assert "'googledrive'" in result.error and "desktops.accounts_dir" in result.error
     await asyncio.sleep(0.05)
     assert world.pool.stats()["desktops"][0]["state"] == "free"
     assert world.pool.stats()["desktops"][0]["failures"] == 0  # released healthy

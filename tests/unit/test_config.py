@@ -95,6 +95,11 @@ desktops:
   client_password_env: VM_PASSWORD
   download_cache_dir: /data/cache
   task_file_roots: [/data/osworld]
+  offline: true
+  download_timeout_s: 30
+  chromium_port: 9333
+  vlc_port: 8081
+  accounts_dir: /data/osworld/settings
   local: {state_dir: /tmp/d, window_manager: openbox, home_template: /tmp/home, start_timeout_s: 30}
   static: {urls: ["http://10.0.0.1:5000", "http://10.0.0.2:5000"], reset_command: [bash, reset.sh],
            retry_quarantined_s: 60}
@@ -107,6 +112,8 @@ runner: {max_steps: 15, history_images: 3, history_texts: 10, action_pause_s: 0.
          max_parse_retries: 2, call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
          prompt_language: Chinese, prompt_note: "sudo password is in the note",
          episode_timeout_s: 600, evaluation_timeout_s: 60, save_screenshots: false}
+evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path: /src/OSWorld,
+             worker_start_timeout_s: 30}
 storage: {queue_max_items: 64, save_messages: false, fsync: true}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false}
 """
@@ -134,6 +141,9 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.desktops.kubernetes.memory == "4Gi" and cfg.desktops.local.start_timeout_s == 30
     assert cfg.coordinator.schedule == "batch" and cfg.coordinator.episodes_per_runner == 16
     assert cfg.runner.call_user == "wait" and cfg.runner.history_images == 3
+    assert cfg.desktops.offline is True and cfg.desktops.chromium_port == 9333
+    assert cfg.desktops.accounts_dir == Path("/data/osworld/settings")
+    assert cfg.evaluation.engine == "osworld" and cfg.evaluation.worker_start_timeout_s == 30
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
     assert cfg.coordinator.outage_give_up_s == 600

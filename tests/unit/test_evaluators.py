@@ -112,14 +112,17 @@ async def test_conj_or_takes_the_best_and_and_short_circuits(env):
     def rule(v):
         return {"type": "rule", "rules": {"expected": v}}
 
-    t = task({"func": ["exact_match", "fuzzy_match"], "conj": "or",
+    t = task({"func": ["exact_match", "check_include_exclude"], "conj": "or",
               "result": [value("a"), value("abcd")],
-              "expected": [rule("b"), rule("abce")]})
-    assert await score(env, t, None) == pytest.approx(0.75)
+              "expected": [rule("b"), {"type": "rule", "rules": {"include": ["bc"]}}]})
+    assert await score(env, t, None) == 1.0  # the second metric scored 1
     t["evaluator"]["conj"] = "and"
     assert await score(env, t, None) == 0.0  # the first metric scored 0
     t["evaluator"]["result"][0] = value("b")
-    assert await score(env, t, None) == pytest.approx((1 + 0.75) / 2)
+    assert await score(env, t, None) == 1.0
+    t["evaluator"]["expected"][1]["rules"]["exclude"] = ["d"]
+    t["evaluator"]["conj"] = "or"
+    assert await score(env, t, None) == 1.0  # the first metric scored 1: the second not run
 
 
 async def test_is_in_list(env):
@@ -129,8 +132,8 @@ async def test_is_in_list(env):
 
 
 @pytest.mark.parametrize("evaluator, fragment", [
-    ({"func": "compare_pdf", "result": {"type": "rule", "rules": 1}}, "metric 'compare_pdf'"),
-    ({"func": "exact_match", "result": {"type": "cloud_thing"}}, "getter 'cloud_thing'"),
+    ({"func": "compare_pdf", "result": {"type": "rule", "rules": 1}}, "metric:compare_pdf"),
+    ({"func": "exact_match", "result": {"type": "cloud_thing"}}, "getter:cloud_thing"),
     ({"func": ["exact_match", "exact_match"], "result": [{"type": "rule", "rules": 1}]},
      "2 funcs"),
     ({"func": ["exact_match"], "conj": "xor", "result": [{"type": "rule", "rules": 1}]},

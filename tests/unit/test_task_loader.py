@@ -477,7 +477,6 @@ def test_duplicate_task_in_directory_is_reported(tmp_path: Path) -> None:
         (lambda t: t.update(id=""), "id"),
         (lambda t: t.update(id="a/b"), "id"),
         (lambda t: t.update(instruction=["x"]), "instruction"),
-        (lambda t: t.pop("config"), "config"),
         (lambda t: t.update(config=[1]), "config[0]"),
         (lambda t: t["config"][0].update(parameters=[]), "config[0].parameters"),
         (lambda t: t.update(evaluator=[]), "evaluator"),
