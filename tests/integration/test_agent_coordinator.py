@@ -182,7 +182,7 @@ def test_max_steps_and_the_episode_deadline_end_episodes_that_are_still_scored(l
             _wait(actors)
         [capped] = _results(cfg)
         cfg = _config(tmp / "deadline", model.url, ["editor-replace-all"],
-                      **{"runner.episode_timeout_s": 2.5})
+                      **{"runner.episode_timeout_s": 4})
         with _rollout(cfg) as (actors, loader):
             ray.get(actors.coordinator.submit.remote(loader.poll()))
             _wait(actors)
@@ -191,7 +191,10 @@ def test_max_steps_and_the_episode_deadline_end_episodes_that_are_still_scored(l
     assert capped["reward"] == 0.0 and capped["last_action"] is None  # evaluated: unsolved
     assert late["status"] == "timeout" and 1 <= late["steps"] < 9 and late["reward"] == 0.0
     assert "deadline" in late["error"]
+    # One line per counted step, a step cut short by the deadline included (its action may
+    # have run), the last one with the reward.
     steps = _traj(cfg, late["episode_id"])
+    assert [s["step_num"] for s in steps] == list(range(1, late["steps"] + 1))
     assert steps[-1]["done"] and steps[-1]["reward"] == 0.0
 
 
