@@ -259,9 +259,15 @@ class LocalDesktopSession:
     def _start_dbus(self, deadline: float) -> None:
         if shutil.which("dbus-daemon") is None:
             raise DesktopError("dbus-daemon not found (Debian package: dbus)")
+        argv = ["dbus-daemon", "--session", "--nofork", "--print-address"]
+        # The bus socket in the desktop's own directory (removed with it): the session
+        # default, a socket file in /tmp, stays behind when the daemon is killed. A socket
+        # path has at most 107 bytes; a longer directory keeps the default.
+        if len(str(self.dir)) < 80:
+            argv.append(f"--address=unix:dir={self.dir}")
         proc = self._spawn(
             "dbus",
-            ["dbus-daemon", "--session", "--nofork", "--print-address"],
+            argv,
             stdout=subprocess.PIPE,
         )
         self._procs["dbus"] = proc
