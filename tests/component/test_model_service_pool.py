@@ -398,7 +398,7 @@ async def test_503_everywhere_is_an_outage(servers):
     srv.faults = [503] * 10
     pool = ModelServicePool(model_cfg([srv.url], retries=2, endpoint_failures_to_eject=10))
     try:
-        with pytest.raises(ModelUnavailable, match="after 3 attempts.*HTTP 503") as info:
+        with pytest.raises(ModelUnavailable, match=r"after 3 attempts.*HTTP 503") as info:
             await pool.generate(MESSAGES, "s")
     finally:
         await pool.close()

@@ -160,7 +160,8 @@ class _Unreachable:
         if self.cut:
             return await self.runner.run_episode(spec, avoid)
         self.cut += 1
-        asyncio.ensure_future(self.runner.run_episode(spec, avoid))
+        # The call goes on in the runner (as an unreachable actor's would); kept referenced.
+        self.orphan = asyncio.ensure_future(self.runner.run_episode(spec, avoid))
         await asyncio.sleep(0.05)
         raise ActorUnavailableError("the runner is unreachable for now", None)
 
