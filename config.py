@@ -25,7 +25,8 @@ __all__ = [
     "EvaluationConfig",
     "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig", "ModelPoolConfig",
     "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig", "SamplingConfig",
-    "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "add_config_arguments",
+    "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "VerifyConfig",
+    "add_config_arguments",
     "config_from_args", "load_config", "main", "secret_from_env",
 ]
 
@@ -260,10 +261,57 @@ class StaticDesktopsConfig(_Section):
 
     urls: list[str] = []
     """Base URLs of the desktop servers, e.g. ``http://10.0.0.5:5000``."""
+    reset: Literal["builtin", "command", "http", "none"] = "builtin"
+    """How a VM is reset between episodes. ``builtin``: close the windows and end the
+    processes that were not there when the pool first saw the VM, and restore HOME from the
+    archive taken then (``$TMPDIR/.cua-baseline`` on the VM, /tmp without TMPDIR); ``command``: run
+    ``reset_command`` on it; ``http``: POST to ``reset_url`` (a VM manager reverting a
+    snapshot) and wait for the server to answer again; ``none``: task setup only."""
     reset_command: list[str] | None = None
-    """Command run on the desktop (via ``/execute``) to reset it; null: task setup only."""
+    """Command run on the desktop (via ``/execute``) for ``reset: command``."""
+    reset_url: str | None = None
+    """For ``reset: http``: URL POSTed ``{"desktop", "url", "index"}`` to reset one VM; the
+    reset is done when it answers 2xx and the VM's server answers again."""
+    @model_validator(mode="before")
+    @classmethod
+    def _reset_from_its_setting(cls, data: Any) -> Any:
+        # A config naming only reset_command (or reset_url) means that reset.
+        if isinstance(data, dict) and "reset" not in data:
+            if data.get("reset_command"):
+                data = {**data, "reset": "command"}
+            elif data.get("reset_url"):
+                data = {**data, "reset": "http"}
+        return data
+
+    @model_validator(mode="after")
+    def _reset_has_its_setting(self) -> StaticDesktopsConfig:
+        if self.reset == "command" and not self.reset_command:
+            raise ValueError("static.reset is 'command' but static.reset_command is not set")
+        if self.reset == "http" and not self.reset_url:
+            raise ValueError("static.reset is 'http' but static.reset_url is not set")
+        return self
     retry_quarantined_s: PositiveFloat = 300.0
     """How long a failed desktop waits before it is checked again."""
+
+
+class VerifyConfig(_Section):
+    """The check after every reset that a desktop is back in its first state
+    (``rollout/envs/verify.py``): a desktop that fails is quarantined and counted."""
+
+    enabled: bool = True
+    """Check every reset before the desktop is lent again."""
+    home_depth: PositiveInt = 2
+    """Levels of HOME compared with the baseline (visible entries and their sizes)."""
+    ignore_paths: list[str] = []
+    """HOME-relative path prefixes left out of the comparison."""
+    ignore_processes: list[str] = []
+    """Process names that may come and go (beyond the check's own commands)."""
+    screenshot_max_distance: Annotated[int, Field(ge=0, le=64)] | None = 4
+    """Cells of the screen's 8x8 grey thumbnail that may differ from the baseline's by more
+    than 24 grey levels (a panel clock or the cursor: one or two); null: no screenshot
+    comparison."""
+    timeout_s: PositiveFloat = 30.0
+    """Deadline of one check (within ``reset_timeout_s``)."""
 
 
 class KubernetesDesktopsConfig(_Section):
@@ -341,6 +389,8 @@ class DesktopsConfig(_Section):
     """Other directories whose files tasks may upload to a desktop (``upload_file``); run.py
     adds the folder of ``tasks.source`` and ``tasks.examples_dir``. Nothing else on this host
     is readable by a task file."""
+    verify: VerifyConfig = VerifyConfig()
+    """The check after every reset."""
     local: LocalDesktopsConfig = LocalDesktopsConfig()
     """Settings of the ``local`` provider."""
     static: StaticDesktopsConfig = StaticDesktopsConfig()

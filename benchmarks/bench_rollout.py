@@ -430,6 +430,7 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
         "desktops.provider=static",
         f"desktops.static.urls={json.dumps(desktop_urls)}",
         f"desktops.static.reset_command={json.dumps(reset_command)}",
+        "desktops.verify.enabled=false",  # simulated desktops run no real commands
         f"desktops.count={row.concurrency}",
         f"desktops.warm_spares={row.spares}",
         f"coordinator.max_concurrent_episodes={row.concurrency}",

@@ -471,6 +471,7 @@ def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Des
                      "static": {"urls": desktops.urls,
                                 "reset_command": desktops.reset_command,
                                 "retry_quarantined_s": 3},
+                     "verify": {"enabled": False},  # simulated: no real commands to run
                      "lease_timeout_s": 20, "request_timeout_s": size.desktop_timeout_s,
                      "reset_timeout_s": 2 * size.desktop_timeout_s, "health_interval_s": 2,
                      "download_cache_dir": str(work / "cache")},

@@ -19,6 +19,7 @@ from rollout.aio import TaskSet
 from rollout.envs.client import close_shared_client
 from rollout.envs.providers import make_provider
 from rollout.envs.providers.base import Desktop, DesktopProvider
+from rollout.envs.verify import DesktopVerifier
 from rollout.errors import DesktopError, DesktopUnavailable
 
 __all__ = ["DesktopPool", "Lease"]
@@ -68,7 +69,12 @@ class DesktopPool:
         self._started = False
         self._stopping = False
         self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
-                         "quarantined": 0, "replaced": 0, "reclaimed": 0, "lease_timeouts": 0}
+                         "verify_failures": 0, "quarantined": 0, "replaced": 0,
+                         "reclaimed": 0, "lease_timeouts": 0}
+        # After every reset, before a desktop is lent again: is it back in its first state?
+        self.verifier = (DesktopVerifier(cfg)
+                         if cfg.verify.enabled and self.provider.verify_resets else None)
+        self.verify_durations_s: deque[float] = deque(maxlen=_RESET_WINDOW)
         self.reset_durations_s: deque[float] = deque(maxlen=_RESET_WINDOW)
         # Owners (prefixes) whose leases were given back for them: an episode cancelled or a
         # runner declared dead. A lease call of theirs still in transit must not be granted.
@@ -204,6 +210,9 @@ class DesktopPool:
             **self.counters,
             "reset_s_median": resets[len(resets) // 2] if resets else None,
             "reset_s_max": resets[-1] if resets else None,
+            "verify_s_median": (sorted(self.verify_durations_s)[len(self.verify_durations_s)
+                                                                // 2]
+                                if self.verify_durations_s else None),
             "desktops": [
                 {"id": d.id, "url": d.url, "state": d.state, "leases": d.leases,
                  "failures": d.failures, "last_error": d.last_error}
@@ -250,6 +259,14 @@ class DesktopPool:
         index = self._next_index
         self._next_index += 1
         desktop = await self.provider.start(index)
+        if self.verifier is not None:
+            try:  # fresh from the provider: the state every reset must return to
+                await asyncio.wait_for(self.verifier.remember(desktop.id, desktop.url),
+                                       self.cfg.verify.timeout_s)
+            except Exception as exc:
+                await self._stop_quietly(desktop)
+                raise DesktopError(f"{desktop.id}: cannot take the baseline its resets are "
+                                   f"checked against: {exc}") from exc
         self._desktops[desktop.id] = desktop
         self._make_free(desktop.id)
         return desktop
@@ -261,15 +278,29 @@ class DesktopPool:
                 await self.provider.reset(desktop)
                 if not await self.provider.health(desktop):
                     raise DesktopError("unhealthy after reset")
+                problems = await self._verify(desktop)
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of a reset quarantines the desktop
             self.counters["reset_failures"] += 1
             await self._quarantine(desktop, f"reset failed: {exc!r}")
             return
+        if problems:
+            self.counters["verify_failures"] += 1
+            await self._quarantine(desktop, "reset did not reach the initial state: "
+                                   + "; ".join(problems))
+            return
         self.counters["resets"] += 1
         self.reset_durations_s.append(time.monotonic() - started)
         self._make_free(desktop.id)
+
+    async def _verify(self, desktop: Desktop) -> list[str]:
+        if self.verifier is None:
+            return []
+        started = time.monotonic()
+        problems = await self.verifier.check(desktop.id, desktop.url)
+        self.verify_durations_s.append(time.monotonic() - started)
+        return problems
 
     async def _quarantine(self, desktop: Desktop, reason: str) -> None:
         log.warning("desktop %s quarantined: %s", desktop.id, reason)
@@ -283,6 +314,8 @@ class DesktopPool:
     async def _replace(self, desktop: Desktop) -> None:
         await self._stop_quietly(desktop)
         del self._desktops[desktop.id]
+        if self.verifier is not None:
+            self.verifier.forget(desktop.id)
         try:
             await self._start_one()
             self.counters["replaced"] += 1

@@ -170,6 +170,8 @@ class FakeProvider(DesktopProvider):
     With ``desktop_factory``, each desktop also gets a ``FakeDesktop`` that
     ``env_factory(lease, cfg)`` (a runner's ``env_factory``, in-process) hands out."""
 
+    verify_resets = False  # records, not desktops: nothing to run the check on
+
     def __init__(self, *, reset_s: float = 0.0, replaceable: bool = True,
                  capacity: int | None = None,
                  desktop_factory: Callable[[str], FakeDesktop] | None = None) -> None:

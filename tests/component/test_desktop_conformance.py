@@ -89,7 +89,8 @@ def sim():
 async def test_the_simulated_desktops_conform_through_the_static_provider(sim):
     cfg = DesktopsConfig(provider="static", count=2, screen_width=1920, screen_height=1080,
                          static=StaticDesktopsConfig(urls=sim.desktop_urls,
-                                                     reset_command=sim.reset_command))
+                                                     reset_command=sim.reset_command),
+                         verify={"enabled": False})  # simulated: no real commands
     pool = DesktopPool(cfg, StaticProvider(cfg))
     await pool.start()
     try:

@@ -177,6 +177,7 @@ def _desktops_cfg(world: SimWorld) -> DesktopsConfig:
     return DesktopsConfig(
         provider="static", count=len(world.desktop_urls),
         static=StaticDesktopsConfig(urls=world.desktop_urls, reset_command=world.reset_command),
+        verify={"enabled": False},  # simulated desktops run no real commands
     )
 
 

@@ -102,7 +102,9 @@ desktops:
   accounts_dir: /data/osworld/settings
   local: {state_dir: /tmp/d, window_manager: openbox, home_template: /tmp/home, start_timeout_s: 30}
   static: {urls: ["http://10.0.0.1:5000", "http://10.0.0.2:5000"], reset_command: [bash, reset.sh],
-           retry_quarantined_s: 60}
+           retry_quarantined_s: 60, reset: command, reset_url: "http://vm-manager/reset"}
+  verify: {enabled: false, home_depth: 3, ignore_paths: [snap], ignore_processes: [tracker],
+           screenshot_max_distance: 4, timeout_s: 10}
   kubernetes: {namespace: rollout, image: desk:1, service_account: sa, cpu: "2", memory: 4Gi,
                port: 5000, startup_timeout_s: 200}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
@@ -143,6 +145,8 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.runner.call_user == "wait" and cfg.runner.history_images == 3
     assert cfg.desktops.offline is True and cfg.desktops.chromium_port == 9333
     assert cfg.desktops.accounts_dir == Path("/data/osworld/settings")
+    assert cfg.desktops.verify.enabled is False and cfg.desktops.verify.home_depth == 3
+    assert cfg.desktops.static.reset == "command"
     assert cfg.evaluation.engine == "osworld" and cfg.evaluation.worker_start_timeout_s == 30
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120

@@ -26,6 +26,7 @@ EXPORTS = {
                "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig",
                "ModelPoolConfig", "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig",
                "SamplingConfig", "StaticDesktopsConfig", "StorageConfig", "TasksConfig",
+               "VerifyConfig",
                "add_config_arguments", "config_from_args", "load_config", "main",
                "secret_from_env"],
     "env_k8s": ["DONE", "FAIL", "PROVIDERS", "SPECIAL_ACTIONS", "WAIT", "Desktop", "DesktopEnv",

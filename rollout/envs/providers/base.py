@@ -29,6 +29,9 @@ class DesktopProvider(abc.ABC):
     a broken desktop is stopped and a new one started (else it is retried later)."""
 
     replaceable = True
+    verify_resets = True
+    """Whether the pool checks this provider's resets (``rollout/envs/verify.py``): false
+    for desktops that are only records (tests' fakes)."""
 
     @abc.abstractmethod
     async def start(self, index: int) -> Desktop:
