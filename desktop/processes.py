@@ -30,6 +30,7 @@ import psutil
 from desktop.errors import CommandTimeout
 
 __all__ = [
+    "APPS_DIR",
     "CHILD_ENV_ALLOW",
     "DESKTOP_ID_VAR",
     "ENV_ALLOW_VAR",
@@ -48,6 +49,9 @@ __all__ = [
 DESKTOP_ID_VAR = "CUA_DESKTOP_ID"
 """The tag every process of a local desktop carries (``rollout/envs/local_session.py``): its
 reset kills the desktop's apps by it, so children must keep it."""
+APPS_DIR = Path(__file__).resolve().parent / "apps"
+"""Commands OSWorld's tasks expect that a desktop may lack under that name (``google-chrome``
+on a desktop with Chromium): second on children's PATH, after the server's interpreter."""
 ENV_ALLOW_VAR = "CUA_DESKTOP_ENV_ALLOW"
 """Names to add to ``CHILD_ENV_ALLOW`` for an image whose apps need more (e.g.
 ``http_proxy,https_proxy,no_proxy``), separated by commas or spaces; ``NAME*`` is a prefix.
@@ -62,6 +66,7 @@ CHILD_ENV_ALLOW: tuple[str, ...] = (
     "AT_SPI_BUS_ADDRESS", "NO_AT_BRIDGE", "GTK_MODULES", "GNOME_ACCESSIBILITY",
     "QT_ACCESSIBILITY", "QT_LINUX_ACCESSIBILITY_ALWAYS_ON",
     DESKTOP_ID_VAR,
+    "CUA_CHROMIUM_PORT",  # where desktop/apps/google-chrome puts DevTools (protocol.py)
     ENV_ALLOW_VAR,  # travels with the environment it shapes (a local desktop's server)
 )  # fmt: skip
 """The variables children of the desktop (and of a local desktop's launcher) inherit; a name
@@ -114,8 +119,9 @@ def child_env(base: Mapping[str, str] | None = None) -> dict[str, str]:
     ``["python", "-c", "import pyautogui; ..."]``)."""
     env = allowed_env(os.environ if base is None else base)
     bin_dir = str(Path(sys.executable).parent)
-    rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p != bin_dir]
-    env["PATH"] = os.pathsep.join([bin_dir, *rest])
+    ours = [bin_dir, str(APPS_DIR)]
+    rest = [p for p in env.get("PATH", os.defpath).split(os.pathsep) if p and p not in ours]
+    env["PATH"] = os.pathsep.join([*ours, *rest])
     return env
 
 

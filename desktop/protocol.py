@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict
 
 __all__ = [
     "APP_CLASS_NAME_FIELD",
+    "CHROMIUM_PORT_VAR",
     "FILE_DATA_FIELD",
     "FILE_PATH_FIELD",
     "AccessibilityReply",
@@ -35,6 +36,7 @@ __all__ = [
     "MessageReply",
     "OpenFileRequest",
     "Paths",
+    "PortsReply",
     "ReplyModel",
     "RequestModel",
     "RunBashScriptRequest",
@@ -76,6 +78,7 @@ class Paths:
     SETUP_OPEN_FILE = "/setup/open_file"  # POST OpenFileRequest: text
     SETUP_ACTIVATE_WINDOW = "/setup/activate_window"  # POST WindowRequest: text
     SETUP_CLOSE_WINDOW = "/setup/close_window"  # POST WindowRequest: text
+    PORTS = "/ports"  # GET: PortsReply (not in OSWorld: its VMs use the fixed ports)
     APPS = "/apps"  # GET: AppsReply (not in OSWorld)
     APPS_KILL = "/apps/kill"  # POST: KillAppsReply (not in OSWorld)
     # Recording
@@ -226,6 +229,18 @@ class WindowSizeReply(ReplyModel):
 
 class DesktopPathReply(ReplyModel):
     desktop_path: str
+
+
+CHROMIUM_PORT_VAR = "CUA_CHROMIUM_PORT"
+"""Set on a desktop that shares its host's network with others (local desktops): the port
+its browser's DevTools listens on (``desktop/apps/google-chrome`` moves it there)."""
+
+
+class PortsReply(ReplyModel):
+    """Ports of the desktop's own services on its host, where they differ from OSWorld's
+    fixed ones (None: the client's configured default, e.g. 9222 for DevTools)."""
+
+    chromium: int | None = None
 
 
 class AccessibilityReply(ReplyModel):

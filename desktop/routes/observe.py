@@ -4,6 +4,7 @@ the Desktop directory, the accessibility tree and the terminal's text.
 
 from __future__ import annotations
 
+import os
 import platform
 
 from fastapi import APIRouter, Request
@@ -13,11 +14,13 @@ from desktop.errors import AccessibilityError, AccessibilityUnavailable
 from desktop.files import desktop_directory
 from desktop.protocol import (
     APP_CLASS_NAME_FIELD,
+    CHROMIUM_PORT_VAR,
     AccessibilityReply,
     DesktopPathReply,
     ErrorReply,
     MessageReply,
     Paths,
+    PortsReply,
     ScreenSizeReply,
     TerminalReply,
     WindowSizeReply,
@@ -55,6 +58,13 @@ async def window_size(request: Request, state: State) -> JSONResponse:
     if size is None:  # OSWorld's view returns None here, which Flask turns into a 500
         return json_reply(ErrorReply(error=f"no window of class {app_class!r}"), 500)
     return json_reply(WindowSizeReply(width=size[0], height=size[1]))
+
+
+@router.get(Paths.PORTS)
+async def get_ports() -> JSONResponse:
+    value = os.environ.get(CHROMIUM_PORT_VAR, "")
+    return JSONResponse(PortsReply(chromium=int(value) if value.isdigit() else None)
+                        .model_dump())
 
 
 @router.get(Paths.PLATFORM)

@@ -134,6 +134,8 @@ class RemoteDesktopEnv:
             else None
         )
         self.task_id: str | None = None
+        self._chromium_port: int | None = None
+        self._ports_known = False
 
     @classmethod
     def for_lease(cls, base_url: str, cfg: DesktopsConfig, *, name: str | None = None
@@ -149,6 +151,7 @@ class RemoteDesktopEnv:
     async def reset(self, task: Mapping[str, Any]) -> Screenshot:
         """Run ``task["config"]`` (OSWorld setup steps) and return the first observation."""
         self.task_id = str(task.get("id", "")) or None
+        await self.learn_ports()
         for index, step in enumerate(task.get("config") or []):
             await self.run_setup_step(step, index)
         return await self.observe()
@@ -294,19 +297,37 @@ class RemoteDesktopEnv:
         """The desktop user's password (``{CLIENT_PASSWORD}`` in task files), if configured."""
         return self._password
 
+    async def learn_ports(self) -> None:
+        """Ask the desktop where its own services listen (``/ports``: local desktops share a
+        host, so each has its DevTools port); a desktop without the endpoint (an OSWorld VM)
+        uses the configured ports."""
+        if self._ports_known:
+            return
+        try:
+            reply = await self._json("GET", Paths.PORTS, idempotent=True, retries=0)
+            if isinstance(reply.get("chromium"), int):
+                self._chromium_port = reply["chromium"]
+        except DesktopError:
+            pass
+        self._ports_known = True
+
+    @property
+    def chromium_port(self) -> int:
+        return self._chromium_port or self.cfg.chromium_port
+
     @property
     def devtools_url(self) -> str:
-        """The desktop browser's DevTools endpoint: ``desktops.chromium_port`` on the
-        desktop's host (chrome setup steps)."""
+        """The desktop browser's DevTools endpoint on the desktop's host: the port it
+        reported (``learn_ports``, done by ``reset``), else ``desktops.chromium_port``."""
         host = httpx2.URL(self.base_url).host
-        return f"http://{f'[{host}]' if ':' in host else host}:{self.cfg.chromium_port}"
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.chromium_port}"
 
     def address(self) -> DesktopAddress:
         """Where OSWorld's own evaluator code reaches this desktop (its server with the
         token, Chromium's and VLC's ports on its host): see rollout/evaluation/."""
         return DesktopAddress(self.base_url, self._headers.get("Authorization", "")
                               .removeprefix("Bearer ") or None,
-                              self.cfg.chromium_port, self.cfg.vlc_port)
+                              self.chromium_port, self.cfg.vlc_port)
 
     # ----------------------------------------------------------------- transport
 

@@ -33,6 +33,7 @@ import desktop
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.errors import DisplayError
 from desktop.processes import DESKTOP_ID_VAR, allowed_env
+from desktop.protocol import CHROMIUM_PORT_VAR
 from rollout.errors import DesktopError
 
 __all__ = ["MARKER", "SESSION_FILE", "LocalDesktopSession", "sweep_stale_sessions"]
@@ -220,6 +221,17 @@ class LocalDesktopSession:
                     victims.append(proc)
             except (psutil.NoSuchProcess, psutil.AccessDenied, psutil.ZombieProcess):
                 continue
+        # Chromium overwrites its own environment (its process titles take that memory), so
+        # the tag cannot be read from it: what the server launched is found as its
+        # descendants, and what tagged processes started as theirs.
+        seen = {p.pid for p in victims}
+        roots = [p.pid for p in victims] + ([server.pid] if server else [])
+        for root in roots:
+            with contextlib.suppress(psutil.Error):
+                for child in psutil.Process(root).children(recursive=True):
+                    if child.pid not in protected and child.pid not in seen:
+                        seen.add(child.pid)
+                        victims.append(child)
         for proc in victims:
             with contextlib.suppress(psutil.NoSuchProcess):
                 proc.kill()
@@ -287,6 +299,9 @@ class LocalDesktopSession:
 
     def _start_server(self, deadline: float) -> str:
         port = _free_port()
+        # Desktops of one host share its network: each browser gets a DevTools port of its
+        # own (desktop/apps/google-chrome listens there; the server reports it at /ports).
+        self._env[CHROMIUM_PORT_VAR] = str(_free_port())
         argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port)]
         # Apps the server launches start in the desktop's HOME, as on a real desktop; the
         # desktop package stays importable for the server through PYTHONPATH (its parent

@@ -41,21 +41,34 @@ depth = int(sys.argv[1])
 mine = os.environ.get("CUA_DESKTOP_ID")
 tag = ("CUA_DESKTOP_ID=" + mine).encode() if mine else None
 uid, me = os.getuid(), os.getpid()
-procs = set()
+names, parents, tagged = {}, {}, set()
 for pid in os.listdir("/proc"):
     if not pid.isdigit() or int(pid) == me:
         continue
     try:
         if os.stat("/proc/" + pid).st_uid != uid:
             continue
-        if tag is not None:
-            with open("/proc/" + pid + "/environ", "rb") as f:
-                if tag not in f.read().split(b"\0"):
-                    continue
+        with open("/proc/" + pid + "/stat") as f:
+            parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
         with open("/proc/" + pid + "/comm") as f:
-            procs.add(f.read().strip())
-    except OSError:
+            names[int(pid)] = f.read().strip()
+        if tag is None:
+            tagged.add(int(pid))
+        else:
+            with open("/proc/" + pid + "/environ", "rb") as f:
+                if tag in f.read().split(b"\0"):
+                    tagged.add(int(pid))
+    except (OSError, IndexError, ValueError):
         continue
+# Chromium overwrites its environment: a tagged process's descendants belong too.
+mine_pids, grew = set(tagged), True
+while grew:
+    grew = False
+    for pid, parent in parents.items():
+        if pid not in mine_pids and parent in mine_pids:
+            mine_pids.add(pid)
+            grew = True
+procs = {names[p] for p in mine_pids if p in names}
 windows, wm = [], False
 try:
     out = subprocess.run(["wmctrl", "-lx"], capture_output=True, text=True, timeout=10)

@@ -40,22 +40,34 @@ tag = ("CUA_DESKTOP_ID=" + mine).encode() if mine else None
 uid = os.getuid()
 keep = {os.getpid(), os.getppid()}
 def processes():
-    found = {}
+    names, parents, tagged = {}, {}, set()
     for pid in os.listdir("/proc"):
         if not pid.isdigit() or int(pid) in keep:
             continue
         try:
             if os.stat("/proc/" + pid).st_uid != uid:
                 continue
-            if tag is not None:
-                with open("/proc/" + pid + "/environ", "rb") as f:
-                    if tag not in f.read().split(b"\0"):
-                        continue
+            with open("/proc/" + pid + "/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
             with open("/proc/" + pid + "/comm") as f:
-                found[int(pid)] = f.read().strip()
-        except OSError:
+                names[int(pid)] = f.read().strip()
+            if tag is None:
+                tagged.add(int(pid))
+            else:
+                with open("/proc/" + pid + "/environ", "rb") as f:
+                    if tag in f.read().split(b"\0"):
+                        tagged.add(int(pid))
+        except (OSError, IndexError, ValueError):
             continue
-    return found
+    # Chromium overwrites its environment: a tagged process's descendants belong too.
+    mine, grew = set(tagged), True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if pid not in mine and parent in mine:
+                mine.add(pid)
+                grew = True
+    return {p: names[p] for p in mine if p in names}
 def windows():
     try:
         out = subprocess.run(["wmctrl", "-lx"], capture_output=True, text=True, timeout=10)

@@ -1,0 +1,64 @@
+"""OSWorld's chrome tasks on local desktops, which share one host's network: each desktop's
+`google-chrome --remote-debugging-port=1337` (the command the tasks launch) gets a DevTools
+port of its own, the desktop reports it, and the chrome setup steps and OSWorld's evaluator
+address reach that desktop's browser, not a neighbour's."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+
+import pytest
+
+from config import DesktopsConfig
+from env_k8s import DesktopPool, RemoteDesktopEnv
+from rollout.envs import chrome
+from tests.support import unavailable
+
+pytestmark = pytest.mark.integration
+
+
+async def test_two_desktops_run_osworlds_chrome_launch_line_side_by_side(tmp):
+    if shutil.which("Xvfb") is None or shutil.which("chromium") is None:
+        unavailable("Xvfb and chromium are needed")
+    cfg = DesktopsConfig(count=2, warm_spares=0, screen_width=1024, screen_height=768,
+                         lease_timeout_s=30, reset_timeout_s=60, setup_timeout_s=60,
+                         local={"state_dir": tmp / "desktops", "start_timeout_s": 60})
+    pool = DesktopPool(cfg)
+    await pool.start()
+    envs: list[RemoteDesktopEnv] = []
+    try:
+        leases = [await pool.lease(f"e{i}") for i in range(2)]
+        for i, lease in enumerate(leases):
+            env = RemoteDesktopEnv(lease.url, cfg, name=lease.desktop_id)
+            envs.append(env)
+            # A chrome task's own first steps (OSWorld's launch line), then its tabs step.
+            await env.reset({"id": f"t{i}", "config": [
+                {"type": "launch", "parameters": {
+                    "command": ["google-chrome", "--remote-debugging-port=1337"]}},
+                {"type": "chrome_open_tabs", "parameters": {
+                    "urls_to_open": [f"data:text/html,<title>desk{i}</title>"]}},
+            ]})
+        ports = {env.chromium_port for env in envs}
+        assert len(ports) == 2 and 9222 not in ports and 1337 not in ports
+        for i, env in enumerate(envs):
+            assert env.address().chromium_port == env.chromium_port
+            async with chrome.DevTools(env.devtools_url, timeout_s=10) as devtools:
+                titles = [t.title for t in await devtools.tabs()]
+            assert f"desk{i}" in titles and f"desk{1 - i}" not in titles, titles
+            # The profile is where OSWorld's getters read Chrome's files.
+            out = await env.execute(["sh", "-c", "test -d ~/.config/google-chrome/Default "
+                                     "&& echo yes"])
+            assert out["output"].strip() == "yes"
+        for lease in leases:
+            await pool.release(lease.lease_id)
+        for _ in range(300):  # the resets end the browsers (and pass the check)
+            if pool.stats()["free"] == 2:
+                break
+            await asyncio.sleep(0.1)
+        stats = pool.stats()
+        assert stats["verify_failures"] == 0, [d["last_error"] for d in stats["desktops"]]
+    finally:
+        for env in envs:
+            await env.close()
+        await pool.stop()
