@@ -32,6 +32,7 @@ import psutil
 import desktop
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.errors import DisplayError
+from desktop.files import default_apps
 from desktop.processes import DESKTOP_ID_VAR, allowed_env
 from desktop.protocol import CHROMIUM_PORT_VAR
 from rollout.errors import DesktopError
@@ -252,6 +253,7 @@ class LocalDesktopSession:
             shutil.copytree(self.home_template, self.home, symlinks=True, dirs_exist_ok=True)
         for name in _HOME_DIRS:
             (self.home / name).mkdir(exist_ok=True)
+        default_apps(self.home)
 
     def _spawn(self, name: str, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 — handed to the child
