@@ -93,6 +93,7 @@ from rollout.layout import (  # noqa: E402
     SUPERSEDED_RESULTS_FILE,
     TRAJ_FILE,
 )
+from rollout.testing.disk import fill  # noqa: E402
 
 __all__ = ["COUNTS", "FULL", "QUICK", "SCENARIOS", "Size", "count", "main", "recover_s"]
 
@@ -502,20 +503,6 @@ def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
     finally:
         if subprocess.run(["umount", str(directory)], check=False).returncode != 0:
             subprocess.run(["umount", "-l", str(directory)], check=False)
-
-
-def fill(directory: Path) -> Path:
-    """Fill the filesystem of ``directory`` to the last byte; remove the file to free it."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        for chunk in (b"\0" * 65536, b"\0" * 4096, b"\0"):
-            with contextlib.suppress(OSError):
-                while os.write(fd, chunk):
-                    pass
-    finally:
-        os.close(fd)
-    return filler
 
 
 # --------------------------------------------------------------------------- scenarios

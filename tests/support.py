@@ -48,18 +48,3 @@ def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
         yield directory
     finally:
         subprocess.run(["umount", str(directory)], check=True)
-
-
-def fill(directory: Path) -> Path:
-    """Fill the filesystem holding ``directory`` to the last byte; returns the filler file
-    (remove it to free the space)."""
-    filler = directory / "filler"
-    fd = os.open(filler, os.O_WRONLY | os.O_CREAT, 0o644)
-    try:
-        for chunk in (b"\0" * 4096, b"\0"):
-            with contextlib.suppress(OSError):
-                while os.write(fd, chunk):
-                    pass
-    finally:
-        os.close(fd)
-    return filler

@@ -30,55 +30,67 @@ from typing import Any
 from rollout.envs.client import RemoteDesktopEnv
 from rollout.errors import DesktopError
 
-__all__ = ["Baseline", "DesktopVerifier", "changed_cells", "thumbnail"]
+__all__ = ["DESKTOP_SCRIPT", "Baseline", "DesktopVerifier", "changed_cells", "thumbnail"]
 
-# Run by the desktop's python3 (OSWorld's VMs and our desktops have one); prints one JSON
-# object. A desktop of ours tags its processes with CUA_DESKTOP_ID (several share a host):
-# then only those count; elsewhere, every process of the desktop's user.
-_PROBE = r"""
-import json, os, subprocess, sys
-depth = int(sys.argv[1])
-mine = os.environ.get("CUA_DESKTOP_ID")
-tag = ("CUA_DESKTOP_ID=" + mine).encode() if mine else None
-uid, me = os.getuid(), os.getpid()
-names, parents, tagged = {}, {}, set()
-for pid in os.listdir("/proc"):
-    if not pid.isdigit() or int(pid) == me:
-        continue
-    try:
-        if os.stat("/proc/" + pid).st_uid != uid:
+# Python run on the desktop (OSWorld's VMs and our desktops have python3), shared by the check
+# below and the static provider's builtin reset: ``desktop_processes(keep)`` is {pid: name} of
+# the desktop's processes — on a desktop of ours (several share a host, each tagging its
+# processes with CUA_DESKTOP_ID) those tagged and their descendants (Chromium overwrites its
+# environment, so the tag cannot be read from it), elsewhere every process of the user;
+# ``desktop_windows()`` is [id, class, title] of each top-level window (wmctrl -lx), None
+# without a window manager to ask.
+DESKTOP_SCRIPT = r"""
+import os, subprocess
+def desktop_processes(keep):
+    mine = os.environ.get("CUA_DESKTOP_ID")
+    tag = ("CUA_DESKTOP_ID=" + mine).encode() if mine else None
+    uid = os.getuid()
+    names, parents, tagged = {}, {}, set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit() or int(pid) in keep:
             continue
-        with open("/proc/" + pid + "/stat") as f:
-            parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-        with open("/proc/" + pid + "/comm") as f:
-            names[int(pid)] = f.read().strip()
-        if tag is None:
-            tagged.add(int(pid))
-        else:
-            with open("/proc/" + pid + "/environ", "rb") as f:
-                if tag in f.read().split(b"\0"):
-                    tagged.add(int(pid))
-    except (OSError, IndexError, ValueError):
-        continue
-# Chromium overwrites its environment: a tagged process's descendants belong too.
-mine_pids, grew = set(tagged), True
-while grew:
-    grew = False
-    for pid, parent in parents.items():
-        if pid not in mine_pids and parent in mine_pids:
-            mine_pids.add(pid)
-            grew = True
-procs = {names[p] for p in mine_pids if p in names}
-windows, wm = [], False
-try:
-    out = subprocess.run(["wmctrl", "-lx"], capture_output=True, text=True, timeout=10)
-    wm = out.returncode == 0
-    for line in out.stdout.splitlines():
-        parts = line.split(None, 4)
-        if len(parts) >= 3:
-            windows.append([parts[2], parts[4] if len(parts) > 4 else ""])
-except (OSError, subprocess.SubprocessError):
-    pass
+        try:
+            if os.stat("/proc/" + pid).st_uid != uid:
+                continue
+            with open("/proc/" + pid + "/stat") as f:
+                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            with open("/proc/" + pid + "/comm") as f:
+                names[int(pid)] = f.read().strip()
+            if tag is None:
+                tagged.add(int(pid))
+            else:
+                with open("/proc/" + pid + "/environ", "rb") as f:
+                    if tag in f.read().split(b"\0"):
+                        tagged.add(int(pid))
+        except (OSError, IndexError, ValueError):
+            continue
+    found, grew = set(tagged), True
+    while grew:
+        grew = False
+        for pid, parent in parents.items():
+            if pid not in found and parent in found:
+                found.add(pid)
+                grew = True
+    return {p: names[p] for p in found if p in names}
+def desktop_windows():
+    try:
+        out = subprocess.run(["wmctrl", "-lx"], capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    rows = [line.split(None, 4) for line in out.stdout.splitlines()]
+    return [[r[0], r[2], r[4] if len(r) > 4 else ""] for r in rows if len(r) >= 3]
+"""
+
+# Prints one JSON object: the desktop's processes, windows and HOME.
+_PROBE = DESKTOP_SCRIPT + r"""
+import json, sys
+depth = int(sys.argv[1])
+procs = set(desktop_processes({os.getpid()}).values())
+listed = desktop_windows()
+wm = listed is not None
+windows = [[cls, title] for _, cls, title in listed or []]
 home, base = [], os.path.expanduser("~")
 for root, dirs, files in os.walk(base):
     rel = os.path.relpath(root, base)

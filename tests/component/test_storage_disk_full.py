@@ -13,8 +13,9 @@ import pytest
 from config import StorageConfig
 from rollout.errors import StorageError
 from rollout.files import append_text, repair_jsonl_tail
+from rollout.testing.disk import fill
 from storage_actor import StorageActor, compact_results
-from tests.support import fill, small_filesystem
+from tests.support import small_filesystem
 
 TASK = {"id": "t", "instruction": "x"}
 

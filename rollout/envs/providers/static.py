@@ -25,56 +25,22 @@ import httpx2
 from config import DesktopsConfig
 from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
+from rollout.envs.verify import DESKTOP_SCRIPT
 from rollout.errors import DesktopError
 from rollout.http import error_text, redact_url
 
 __all__ = ["StaticProvider"]
 
-# Shared by both scripts: the processes that belong to this desktop, as {pid: name}.
-_PROCESSES = r"""
-import json, os, signal, subprocess, tarfile, time
+# Shared by both scripts: the baseline's place and HOME, with DESKTOP_SCRIPT's functions.
+_PROCESSES = DESKTOP_SCRIPT + r"""
+import json, signal, tarfile, time
 # The desktop's own temporary directory (ours set TMPDIR per desktop; a VM has /tmp).
 base = os.path.join(os.environ.get("TMPDIR") or "/tmp", ".cua-baseline")
-mine = os.environ.get("CUA_DESKTOP_ID")
-tag = ("CUA_DESKTOP_ID=" + mine).encode() if mine else None
-uid = os.getuid()
 keep = {os.getpid(), os.getppid()}
 def processes():
-    names, parents, tagged = {}, {}, set()
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit() or int(pid) in keep:
-            continue
-        try:
-            if os.stat("/proc/" + pid).st_uid != uid:
-                continue
-            with open("/proc/" + pid + "/stat") as f:
-                parents[int(pid)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            with open("/proc/" + pid + "/comm") as f:
-                names[int(pid)] = f.read().strip()
-            if tag is None:
-                tagged.add(int(pid))
-            else:
-                with open("/proc/" + pid + "/environ", "rb") as f:
-                    if tag in f.read().split(b"\0"):
-                        tagged.add(int(pid))
-        except (OSError, IndexError, ValueError):
-            continue
-    # Chromium overwrites its environment: a tagged process's descendants belong too.
-    mine, grew = set(tagged), True
-    while grew:
-        grew = False
-        for pid, parent in parents.items():
-            if pid not in mine and parent in mine:
-                mine.add(pid)
-                grew = True
-    return {p: names[p] for p in mine if p in names}
+    return desktop_processes(keep)
 def windows():
-    try:
-        out = subprocess.run(["wmctrl", "-lx"], capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return []
-    return [line.split(None, 4)[:3] for line in out.stdout.splitlines()
-            if len(line.split(None, 4)) >= 3]
+    return desktop_windows() or []
 home = os.path.expanduser("~")
 """
 
@@ -89,7 +55,7 @@ if not os.path.exists(os.path.join(base, "home.tar")):
     os.replace(os.path.join(base, "home.tar.part"), os.path.join(base, "home.tar"))
     with open(os.path.join(base, "state.json"), "w") as f:
         json.dump({"processes": sorted(set(processes().values())),
-                   "windows": sorted({w[2] for w in windows()})}, f)
+                   "windows": sorted({w[1] for w in windows()})}, f)
 print("baseline", base)
 """
 
@@ -97,7 +63,7 @@ _RESET = _PROCESSES + r"""
 with open(os.path.join(base, "state.json")) as f:
     state = json.load(f)
 closed = 0
-for wid, _, cls in windows():
+for wid, cls, _ in windows():
     if cls not in state["windows"]:
         subprocess.run(["wmctrl", "-ic", wid], capture_output=True, timeout=10)
         closed += 1
