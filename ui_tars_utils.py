@@ -6,6 +6,7 @@ image, UI-TARS 1.0 in relative units 0..1000; every ``Action`` carries SCREEN pi
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass, field
@@ -15,11 +16,13 @@ from rollout.envs.contract import DONE, FAIL, WAIT
 from rollout.errors import ActionParseError
 
 __all__ = [
-    "ACTION_KINDS", "FAMILIES", "IMAGE_FACTOR", "KEY_KINDS", "MAX_PIXELS", "MAX_RATIO",
+    "ACTION_KINDS", "ACTION_REGEX_CONTENT_CHARS", "ACTION_REGEX_THOUGHT_CHARS", "FAMILIES",
+    "IMAGE_FACTOR", "IMAGE_WRAPPER_TOKENS", "KEY_KINDS", "MAX_PIXELS", "MAX_RATIO",
     "MIN_PIXELS", "POINTER_KINDS", "RELATIVE_SCALE", "SCROLL_DIRECTIONS", "TERMINAL_KINDS",
-    "Action", "Family", "ParsedResponse", "add_box_token", "format_action", "format_response",
-    "model_to_screen", "normalize_key", "parse_response", "screen_to_model", "smart_resize",
-    "split_terminal", "to_pyautogui",
+    "Action", "Family", "ParsedResponse", "action_regex", "action_regex_max_chars",
+    "add_box_token", "format_action", "format_response", "image_tokens", "model_to_screen",
+    "normalize_key", "parse_response", "screen_to_model", "smart_resize", "split_terminal",
+    "to_pyautogui",
 ]
 
 Family = Literal["uitars-1.5", "uitars-1.0"]
@@ -31,6 +34,8 @@ MIN_PIXELS = 100 * 28 * 28
 MAX_PIXELS = 16384 * 28 * 28
 MAX_RATIO = 200
 RELATIVE_SCALE = 1000  # UI-TARS 1.0: coordinates in 0..1000 on each axis
+# Tokens around each image's tokens in the prompt: <|vision_start|> and <|vision_end|>.
+IMAGE_WRAPPER_TOKENS = 2
 
 POINTER_KINDS = frozenset({"click", "left_double", "right_single", "hover"})
 KEY_KINDS = frozenset({"hotkey", "press", "keydown", "keyup"})
@@ -155,10 +160,30 @@ def smart_resize(
     return h_bar, w_bar
 
 
-def _model_frame(screen_width: int, screen_height: int, family: str) -> tuple[float, float]:
-    """Width and height of the coordinate frame the model answers in."""
+def image_tokens(
+    width: int, height: int, *, min_pixels: int = MIN_PIXELS, max_pixels: int = MAX_PIXELS
+) -> int:
+    """The image tokens a Qwen2-VL / Qwen2.5-VL processor makes of a ``width`` x ``height``
+    screenshot: one per 28x28 block of the ``smart_resize``d image (1280x720 -> 728x1288 ->
+    1196). Without the ``IMAGE_WRAPPER_TOKENS`` (``<|vision_start|>``, ``<|vision_end|>``)."""
+    h_bar, w_bar = smart_resize(height, width, min_pixels=min_pixels, max_pixels=max_pixels)
+    return (h_bar // IMAGE_FACTOR) * (w_bar // IMAGE_FACTOR)
+
+
+def _model_frame(
+    screen_width: int,
+    screen_height: int,
+    family: str,
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> tuple[float, float]:
+    """Width and height of the coordinate frame the model answers in. ``min_pixels`` and
+    ``max_pixels`` are the image processor's bounds (UI-TARS 1.5 only: 1.0 is relative)."""
     if family == "uitars-1.5":
-        h, w = smart_resize(screen_height, screen_width)
+        h, w = smart_resize(
+            screen_height, screen_width, min_pixels=min_pixels, max_pixels=max_pixels
+        )
         return float(w), float(h)
     if family == "uitars-1.0":
         return float(RELATIVE_SCALE), float(RELATIVE_SCALE)
@@ -166,21 +191,50 @@ def _model_frame(screen_width: int, screen_height: int, family: str) -> tuple[fl
 
 
 def model_to_screen(
-    point: tuple[float, float], screen_width: int, screen_height: int, family: str = "uitars-1.5"
+    point: tuple[float, float],
+    screen_width: int,
+    screen_height: int,
+    family: str = "uitars-1.5",
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> tuple[int, int]:
     """Map a point the model wrote to integer screen pixels, clamped onto the screen."""
-    fw, fh = _model_frame(screen_width, screen_height, family)
+    fw, fh = _model_frame(
+        screen_width, screen_height, family, min_pixels=min_pixels, max_pixels=max_pixels
+    )
     x = round(point[0] / fw * screen_width)
     y = round(point[1] / fh * screen_height)
     return min(max(x, 0), screen_width - 1), min(max(y, 0), screen_height - 1)
 
 
 def screen_to_model(
-    point: tuple[float, float], screen_width: int, screen_height: int, family: str = "uitars-1.5"
+    point: tuple[float, float],
+    screen_width: int,
+    screen_height: int,
+    family: str = "uitars-1.5",
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> tuple[int, int]:
-    """Map screen pixels to the integer coordinates the model would write for them."""
-    fw, fh = _model_frame(screen_width, screen_height, family)
-    return round(point[0] / screen_width * fw), round(point[1] / screen_height * fh)
+    """Map screen pixels to the integer coordinates the model would write for them, clamped
+    into the model's frame (``0..w_bar-1`` for UI-TARS 1.5, ``0..1000`` for 1.0): on a screen
+    over twice the frame's size, its last pixels would otherwise round to ``w_bar``."""
+    frame = _model_frame(
+        screen_width, screen_height, family, min_pixels=min_pixels, max_pixels=max_pixels
+    )
+    x_max, y_max = _frame_limits(frame, family)
+    x = round(point[0] / screen_width * frame[0])
+    y = round(point[1] / screen_height * frame[1])
+    return min(max(x, 0), x_max), min(max(y, 0), y_max)
+
+
+def _frame_limits(frame: tuple[float, float], family: str) -> tuple[int, int]:
+    """The largest x and y the model may write in ``frame``: ``w_bar - 1`` / ``h_bar - 1``
+    in 1.5's pixel frame, 1000 in 1.0's relative one."""
+    if family == "uitars-1.0":
+        return RELATIVE_SCALE, RELATIVE_SCALE
+    return int(frame[0]) - 1, int(frame[1]) - 1
 
 
 # --------------------------------------------------------------------------- typed actions
@@ -218,7 +272,13 @@ class ParsedResponse:
 
 
 def parse_response(
-    text: str, screen_width: int, screen_height: int, family: str = "uitars-1.5"
+    text: str,
+    screen_width: int,
+    screen_height: int,
+    family: str = "uitars-1.5",
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> ParsedResponse:
     """Parse a UI-TARS reply (``Thought: ...\\nAction: ...``) into typed actions.
 
@@ -227,10 +287,13 @@ def parse_response(
     lines, ``<|box_start|>`` wrappers, four-number boxes (centre taken), ``<point>x y</point>``
     and ``<bbox>`` tags, ``point=``/``start_point=``/``end_point=`` names, positional
     arguments, escaped quotes and newlines. Anything else raises ``ActionParseError``.
+    ``min_pixels`` / ``max_pixels``: the serving image processor's bounds, which set the
+    frame UI-TARS 1.5 answers in.
     """
     if not isinstance(text, str):
         raise ActionParseError("model reply is not text", repr(text))
-    _model_frame(screen_width, screen_height, family)  # validates family and size early
+    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+    _model_frame(screen_width, screen_height, family, **pixels)  # validates family, size early
     body = text.strip()
     if not body:
         raise ActionParseError("empty model reply", text)
@@ -256,7 +319,7 @@ def parse_response(
         raise ActionParseError("'Action:' is empty", text)
 
     actions = [
-        _build_action(name, args, call, screen_width, screen_height, family)
+        _build_action(name, args, call, screen_width, screen_height, family, **pixels)
         for name, args, call in _split_calls(action_text)
     ]
     return ParsedResponse(
@@ -434,6 +497,9 @@ def _build_action(
     screen_width: int,
     screen_height: int,
     family: str,
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> Action:
     kind = _KIND_ALIASES.get(name.lower(), name.lower())
     if kind not in ACTION_KINDS:
@@ -456,13 +522,16 @@ def _build_action(
             raise ActionParseError(f"{kind}() needs {required!r}", call)
 
     action = Action(kind=kind, call=call)
+    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     if "start_box" in values:
         action.model_point = _parse_box(values["start_box"], call)
-        action.point = model_to_screen(action.model_point, screen_width, screen_height, family)
+        action.point = model_to_screen(
+            action.model_point, screen_width, screen_height, family, **pixels
+        )
     if "end_box" in values:
         action.model_end_point = _parse_box(values["end_box"], call)
         action.end_point = model_to_screen(
-            action.model_end_point, screen_width, screen_height, family
+            action.model_end_point, screen_width, screen_height, family, **pixels
         )
     if "content" in values:
         action.content = values["content"]
@@ -691,12 +760,21 @@ def add_box_token(text: str) -> str:
 
 
 def format_action(
-    action: Action, screen_width: int, screen_height: int, family: str = "uitars-1.5"
+    action: Action,
+    screen_width: int,
+    screen_height: int,
+    family: str = "uitars-1.5",
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> str:
     """The UI-TARS call for an action given in screen pixels (the inverse of parsing)."""
 
     def box(point: tuple[int, int]) -> str:
-        x, y = screen_to_model(point, screen_width, screen_height, family)
+        x, y = screen_to_model(
+            point, screen_width, screen_height, family, min_pixels=min_pixels,
+            max_pixels=max_pixels,
+        )
         return f"'({x},{y})'"
 
     def quoted(s: str) -> str:
@@ -727,7 +805,176 @@ def format_response(
     screen_width: int,
     screen_height: int,
     family: str = "uitars-1.5",
+    *,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
 ) -> str:
     """A whole reply in UI-TARS form: ``Thought: ...`` then the actions, blank-line separated."""
-    calls = "\n\n".join(format_action(a, screen_width, screen_height, family) for a in actions)
+    calls = "\n\n".join(
+        format_action(
+            a, screen_width, screen_height, family, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        for a in actions
+    )
     return f"Thought: {thought}\nAction: {calls}"
+
+
+# --------------------------------------------------------------------------- action grammar
+
+
+ACTION_REGEX_THOUGHT_CHARS = 60  # longest thought the grammar allows
+ACTION_REGEX_CONTENT_CHARS = 40  # most characters (or escapes) in type() / finished() content
+_HOTKEY_MAX_KEYS = 3  # the prompt: "do not use more than 3 keys in one hotkey action"
+# No colon and no newline: "Action:" can never start inside the thought.
+_THOUGHT_CLASS = "[A-Za-z0-9 ,.'-]"
+# One unit of quoted content: a printable ASCII character other than ' and \, or one of the
+# escapes \' \" \n \\ (each unit is what the parser's quote scanner steps over at once).
+_CONTENT_UNIT = r"""([ -&(-\[\]-~]|\\['"n\\])"""
+# Named keys longest first (an automaton does not care; a backtracking engine tries fewer).
+_REGEX_KEY_NAMES = tuple(sorted(_NAMED_KEYS, key=lambda k: (-len(k), k)))
+_REGEX_KEY = "(" + "|".join([*_REGEX_KEY_NAMES, "[a-z0-9]"]) + ")"
+_REGEX_KEY_CHARS = max(len(k) for k in _REGEX_KEY_NAMES)
+
+
+def _int_range_regex(hi: int) -> str:
+    """A group matching exactly the decimal integers ``0..hi``, without leading zeros.
+
+    Digit by digit: every number shorter than ``hi``, then for each position of ``hi`` the
+    numbers that share its prefix and have a smaller digit there, then ``hi`` itself. Only
+    literal digits, ``[..]`` classes and ``|``: no repetition, so any regex dialect reads it.
+    """
+    if hi < 0:
+        raise ValueError(f"the upper bound must not be negative, got {hi}")
+    s = str(hi)
+    n = len(s)
+    any_digit = "[0-9]"
+
+    def digit_class(lo: int, top: int) -> str:
+        return str(lo) if lo == top else f"[{lo}-{top}]"
+
+    alts = []
+    if n > 1:
+        alts.append(any_digit)  # 0..9
+        alts.extend("[1-9]" + any_digit * (length - 1) for length in range(2, n))
+    for i, ch in enumerate(s):
+        lo = 1 if i == 0 and n > 1 else 0
+        if int(ch) > lo:
+            alts.append(s[:i] + digit_class(lo, int(ch) - 1) + any_digit * (n - i - 1))
+    alts.append(s)
+    return "(" + "|".join(alts) + ")"
+
+
+@functools.lru_cache(maxsize=256)
+def action_regex(
+    screen_width: int,
+    screen_height: int,
+    family: str = "uitars-1.5",
+    *,
+    call_user: bool = True,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> str:
+    """A regular expression a whole reply must fully match: ``Thought: <thought>\\nAction:
+    <one action>``, for constrained decoding (vLLM structured outputs, xgrammar / outlines).
+
+    The actions are the prompt's action space (``prompts.build_prompt``) in plain form:
+    ``click`` / ``left_double`` / ``right_single(start_box='(x,y)')``, ``drag(start_box=..,
+    end_box=..)``, ``hotkey(key='k1 k2 k3')`` (1 to 3 pyautogui key names or characters
+    ``[a-z0-9]``), ``type(content='..')``, ``scroll(start_box=.., direction='up|down|left|
+    right')``, ``wait()``, ``finished(content='..')`` and, with ``call_user``, ``call_user()``.
+    Points are integers without leading zeros inside the model's frame: ``0..w_bar-1`` x
+    ``0..h_bar-1`` of ``smart_resize`` with the processor's ``min_pixels`` / ``max_pixels``
+    (UI-TARS 1.5), ``0..1000`` on both axes (1.0). No ``<|box_start|>`` tokens: they are
+    special tokens, not text a constrained sampler can produce. The thought has at most
+    ``ACTION_REGEX_THOUGHT_CHARS`` characters of ``[A-Za-z0-9 ,.'-]``; content at most
+    ``ACTION_REGEX_CONTENT_CHARS`` printable ASCII characters or escapes ``\\'``, ``\\"``,
+    ``\\n``, ``\\\\``. Every reply it matches parses with ``parse_response`` (same screen,
+    family and pixel bounds) to exactly one action, and is at most ``action_regex_max_chars``
+    characters long.
+
+    Dialect: literal characters, escaped metacharacters, ``\\n``, ``[...]`` classes, ``|``,
+    plain groups and bounded repetition only (no ``\\d``, ``\\s``, ``(?``, ``*``, ``+``,
+    anchors or lookarounds), so Python's ``re`` and vLLM's backends read it alike, and every
+    match is bounded in length: a model cannot ramble until ``max_tokens``.
+
+    Constrained sampling changes the policy: at each step the tokens the grammar forbids are
+    masked out and the rest renormalised. The logprobs the server returns are those of this
+    constrained process, not of the free model, and the replies are a narrower distribution
+    (short ASCII thoughts, one action, none of the other forms the parser accepts). Training
+    on them (importance ratios, KL terms) must treat the masked process as the behaviour
+    policy.
+    """
+    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
+    x_max, y_max = _frame_limits(
+        _model_frame(screen_width, screen_height, family, **pixels), family
+    )
+    point = r"'\(" + _int_range_regex(x_max) + "," + _int_range_regex(y_max) + r"\)'"
+    content = f"'{_CONTENT_UNIT}{{0,{ACTION_REGEX_CONTENT_CHARS}}}'"
+    keys = f"{_REGEX_KEY}( {_REGEX_KEY}){{0,{_HOTKEY_MAX_KEYS - 1}}}"
+    directions = "(" + "|".join(SCROLL_DIRECTIONS) + ")"
+    actions = [
+        *(rf"{kind}\(start_box={point}\)" for kind in ("click", "left_double", "right_single")),
+        rf"drag\(start_box={point}, end_box={point}\)",
+        rf"hotkey\(key='{keys}'\)",
+        rf"type\(content={content}\)",
+        rf"scroll\(start_box={point}, direction='{directions}'\)",
+        r"wait\(\)",
+        rf"finished\(content={content}\)",
+    ]
+    if call_user:
+        actions.append(r"call_user\(\)")
+    thought = f"{_THOUGHT_CLASS}{{0,{ACTION_REGEX_THOUGHT_CHARS}}}"
+    return rf"Thought: {thought}\nAction: (" + "|".join(actions) + ")"
+
+
+def _max_frame_side(family: str, *, min_pixels: int, max_pixels: int) -> int:
+    """An upper bound of the frame's longer side over every screen ``smart_resize`` accepts
+    (aspect ratio at most ``MAX_RATIO``): kept as is, the area is at most ``max_pixels`` with a
+    side of at least 28; scaled down, a side is at most ``sqrt(max_pixels * ratio)``; scaled
+    up, at most ``sqrt(min_pixels * ratio) + 28``."""
+    if family == "uitars-1.0":
+        return RELATIVE_SCALE + 1
+    if family != "uitars-1.5":
+        _model_frame(1, 1, family)  # raises the unknown-family error
+    return max(
+        max_pixels // IMAGE_FACTOR,
+        math.isqrt(max_pixels * MAX_RATIO) + 1,
+        math.isqrt(min_pixels * MAX_RATIO) + 1 + IMAGE_FACTOR,
+    )
+
+
+def action_regex_max_chars(
+    screen_width: int | None = None,
+    screen_height: int | None = None,
+    family: str = "uitars-1.5",
+    *,
+    call_user: bool = True,
+    min_pixels: int = MIN_PIXELS,
+    max_pixels: int = MAX_PIXELS,
+) -> int:
+    """The length in characters of the longest reply ``action_regex`` (same arguments)
+    matches; without a screen size, a bound over every screen. A reply of n characters is
+    at most n tokens, so ``max_tokens`` of at least this never cuts a constrained reply."""
+    if (screen_width is None) != (screen_height is None):
+        raise ValueError("give both screen_width and screen_height, or neither")
+    if screen_width is None or screen_height is None:
+        side = _max_frame_side(family, min_pixels=min_pixels, max_pixels=max_pixels)
+        x_max = y_max = side - 1
+    else:
+        frame = _model_frame(
+            screen_width, screen_height, family, min_pixels=min_pixels, max_pixels=max_pixels
+        )
+        x_max, y_max = _frame_limits(frame, family)
+    point = len("'(,)'") + len(str(x_max)) + len(str(y_max))
+    content = 2 + 2 * ACTION_REGEX_CONTENT_CHARS  # quotes, and each unit up to an escape pair
+    keys = _HOTKEY_MAX_KEYS * _REGEX_KEY_CHARS + (_HOTKEY_MAX_KEYS - 1)
+    action = max(
+        len("right_single(start_box=)") + point,
+        len("drag(start_box=, end_box=)") + 2 * point,
+        len("hotkey(key='')") + keys,
+        len("type(content=)") + content,
+        len("scroll(start_box=, direction='')") + point + max(map(len, SCROLL_DIRECTIONS)),
+        len("finished(content=)") + content,
+        len("call_user()") if call_user else 0,
+    )
+    return len("Thought: \nAction: ") + ACTION_REGEX_THOUGHT_CHARS + action

@@ -325,6 +325,35 @@ def test_format_then_parse_gives_the_actions_back(reply):
 
 
 @SETTINGS
+@given(
+    _replies(),
+    st.sampled_from([{}, {"max_pixels": 1280 * 28 * 28}, {"max_pixels": 512 * 28 * 28},
+                     {"min_pixels": 4096 * 28 * 28}]),
+)
+def test_format_then_parse_with_the_processors_pixel_bounds(reply, pixels):
+    """With other min/max pixels the frame changes (1.5 only) and both directions follow it:
+    a point comes back within the size of one frame pixel on the screen."""
+    family, width, height, thought, actions = reply
+    text = format_response(thought, actions, width, height, family, **pixels)
+    parsed = parse_response(text, width, height, family, **pixels)
+    if family == "uitars-1.0":
+        assert text == format_response(thought, actions, width, height, family)
+    h_bar, w_bar = smart_resize(height, width, **pixels)
+    tol_x, tol_y = (1, 1) if family == "uitars-1.0" else (
+        max(1, math.ceil(width / w_bar)), max(1, math.ceil(height / h_bar)))
+    assert [a.kind for a in parsed.actions] == [a.kind for a in actions]
+    for got, want in zip(parsed.actions, actions, strict=True):
+        for name, model_name in (("point", "model_point"), ("end_point", "model_end_point")):
+            g, w = getattr(got, name), getattr(want, name)
+            assert (g is None) == (w is None), name
+            if w is not None:
+                assert abs(g[0] - w[0]) <= tol_x and abs(g[1] - w[1]) <= tol_y, (name, g, w)
+                m = getattr(got, model_name)
+                if family == "uitars-1.5":
+                    assert 0 <= m[0] < w_bar and 0 <= m[1] < h_bar, (m, w_bar, h_bar)
+
+
+@SETTINGS
 @given(_replies())
 def test_to_pyautogui_compiles_for_random_actions(reply):
     _, _, _, _, actions = reply
