@@ -178,6 +178,20 @@ class ModelConfig(_Section):
     """Consecutive failures after which an endpoint is taken out of routing."""
     reprobe_interval_s: PositiveFloat = 10.0
     """How often an ejected endpoint's ``/health`` is probed to bring it back."""
+    min_pixels: PositiveInt = 100 * 28 * 28
+    """Lower pixel bound of the served model's image processor (smart_resize). With
+    ``uitars-1.5`` the model answers in pixels of the resized screenshot, so the parser must
+    resize as the server did: keep these equal to the processor's (``run_model.py`` passes
+    them to the vision-language replicas it launches)."""
+    max_pixels: PositiveInt = 16384 * 28 * 28
+    """Upper pixel bound of the served model's image processor (UI-TARS-1.5: 12845056)."""
+    constrain_actions: bool = False
+    """Constrained decoding: send vLLM a structured-output regex of every UI-TARS action form
+    (``ui_tars_utils.action_regex``), coordinates within the resized frame, so every reply
+    parses. For smoke tests and undertrained checkpoints. It changes the policy: tokens are
+    sampled from the masked, renormalised distribution and the logprobs returned are those
+    of that constrained process, not of the free model; each step records ``constrained``.
+    Needs ``sampling.max_tokens`` >= the grammar's longest reply."""
 
 
 class ModelPoolConfig(_Section):
@@ -241,6 +255,20 @@ class ModelPoolConfig(_Section):
     cpu_enforce_eager: bool = True
     """CPU build only: pass ``--enforce-eager`` (no torch.compile: start in seconds, not
     minutes)."""
+    max_model_len: PositiveInt | None = None
+    """vLLM ``--max-model-len`` (null: for a vision-language checkpoint, derived from the
+    run's settings — ``runner.history_images`` screenshots of the configured screen size,
+    ``runner.history_texts`` replies of ``model.sampling.max_tokens``, the prompt — so no
+    request is refused for length; for a text checkpoint, vLLM's default). An explicit
+    ``--max-model-len`` in ``extra_args`` wins."""
+    vlm_cpu_site: Path | None = None
+    """CPU build only: the directory holding the isolated torchvision that vision-language
+    replicas need (``bash scripts/setup_env.sh --vlm`` installs it; null: ``vlm-cpu-site``
+    inside this Python's environment). Put on those replicas' ``PYTHONPATH`` only."""
+    start_with_run: bool = False
+    """``run.py`` starts ``run_model.py serve`` with this config, waits for a replica to be
+    healthy (``startup_timeout_s``) and stops the pool when the run ends: one command for a
+    dry run (``configs/demo_vlm.yaml``). Off: start the pool yourself."""
 
 
 class LocalDesktopsConfig(_Section):
@@ -518,6 +546,21 @@ class Config(_Section):
     def _consistent(self) -> Config:
         if self.model.scripted and self.model.endpoints:
             raise ValueError("model.scripted and model.endpoints exclude each other; set one")
+        if self.model_pool.start_with_run:
+            if self.model.scripted or self.model.endpoints:
+                raise ValueError("model_pool.start_with_run starts the run's own model pool; "
+                                 "it excludes model.scripted and model.endpoints")
+            if not self.model_pool.checkpoint:
+                raise ValueError("model_pool.start_with_run needs model_pool.checkpoint")
+        if self.model.constrain_actions:
+            from ui_tars_utils import action_regex_max_chars
+
+            longest = action_regex_max_chars()
+            if self.model.sampling.max_tokens < longest:
+                raise ValueError(
+                    f"model.constrain_actions: model.sampling.max_tokens "
+                    f"({self.model.sampling.max_tokens}) must be at least {longest}, the "
+                    "longest reply the action grammar allows (a cut reply does not parse)")
         if self.desktops.provider == "static" and not self.desktops.static.urls:
             raise ValueError("desktops.provider is 'static' but desktops.static.urls is empty")
         # A lease is reclaimed after lease_max_s; it must outlive everything an episode does

@@ -24,14 +24,16 @@ import httpx2
 
 from config import ModelConfig, SamplingConfig, secret_from_env
 from rollout.aio import backoff_s
-from rollout.errors import ModelRequestError, ModelUnavailable
+from rollout.errors import ContextTooShort, ModelRequestError, ModelUnavailable
 from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.http import error_text, redact_url, ssl_context
 from rollout.openai_protocol import (
     CHAT_COMPLETIONS_PATH,
     HEALTH_PATH,
+    MODELS_PATH,
     chat_request_body,
     parse_chat_completion,
+    served_context,
 )
 from rollout.screenshot import DataURL
 
@@ -89,6 +91,8 @@ class Endpoint:
     consecutive_failures: int = 0
     ejected: bool = False
     last_error: str | None = None
+    max_model_len: int | None = None   # its context, from GET /v1/models (None: unknown)
+    context_asked: bool = False        # that question was answered (once per endpoint)
 
     @functools.cached_property
     def label(self) -> str:
@@ -255,14 +259,23 @@ class ModelServicePool:
         messages: list[dict[str, Any]],
         session_id: str | None = None,
         sampling: SamplingConfig | None = None,
+        *,
+        regex: str | None = None,
+        least_tokens: tuple[int, str] | None = None,
     ) -> Generation:
         """One chat completion. Transient failures are retried on another endpoint with
         capped, fully jittered backoff; a 4xx raises ``ModelRequestError`` at once.
 
+        ``regex``: the reply must match it whole (vLLM's structured outputs).
+        ``least_tokens``: (tokens the request needs at least, what they are): when that is
+        more than the chosen endpoint's context, ``ContextTooShort`` is raised instead of
+        sending a request the server would refuse.
+
         ``ModelUnavailable`` with ``outage`` set means no endpoint was there to answer (none
         live, or every attempt was refused or dropped): the caller waits with
         ``wait_until_live`` instead of counting it against the episode."""
-        body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling)
+        body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling,
+                                 regex)
         content = RequestBody(body)  # serialised once, whatever the retries
         self.requests += 1
         tried: set[str] = set()
@@ -281,6 +294,8 @@ class ModelServicePool:
                                        outage=True)
             tried.add(endpoint.url)
             try:
+                if least_tokens is not None:
+                    await self._check_context(endpoint, *least_tokens)
                 return await self._send(endpoint, content, attempt + 1)
             except _Transient as exc:
                 last_error = f"{endpoint.label}: {exc}"
@@ -426,6 +441,22 @@ class ModelServicePool:
             await asyncio.sleep(backoff_s(checks, _OUTAGE_PROBE_INITIAL_S, _OUTAGE_PROBE_MAX_S,
                                           self._rng))
 
+    async def _check_context(self, endpoint: Endpoint, needed: int, what: str) -> None:
+        """Raise ``ContextTooShort`` when ``endpoint`` serves a context under ``needed``
+        tokens. Its context is asked once (``GET /v1/models``); a server that does not say
+        is not checked."""
+        if not endpoint.context_asked:
+            try:
+                r = await self._http(endpoint).get(endpoint.url + MODELS_PATH,
+                                                   timeout=self.cfg.connect_timeout_s)
+            except httpx2.HTTPError:
+                return  # unreachable now: the request itself finds out, and is retried
+            endpoint.context_asked = True
+            if r.status_code == 200:
+                endpoint.max_model_len = served_context(r.content, self.cfg.name)
+        if endpoint.max_model_len is not None and needed > endpoint.max_model_len:
+            raise ContextTooShort(needed, endpoint.max_model_len, what, endpoint.label)
+
     async def _send(self, endpoint: Endpoint, content: RequestBody, attempt: int) -> Generation:
         endpoint.outstanding += 1
         started = self._clock()
@@ -532,6 +563,8 @@ class ModelServicePool:
             url = str(entry["url"]).rstrip("/")
             seen.add(url)
             endpoint = self._endpoints.setdefault(url, Endpoint(url))
+            if endpoint.model_version != entry.get("model_version"):
+                endpoint.context_asked = False  # a new checkpoint may serve another context
             endpoint.model_version = entry.get("model_version")
             endpoint.draining = bool(entry.get("draining", False)) or not entry.get(
                 "healthy", True

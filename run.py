@@ -30,6 +30,7 @@ from config import Config, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
 from rollout.evaluation.preflight import TaskChecker
 from rollout.files import DirectoryLock, LockHeld
+from rollout.fleet.child import PoolChild
 from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.http import redact_urls
 from rollout.layout import RUN_LOCK_FILE
@@ -316,12 +317,19 @@ def run(cfg: Config) -> int:
         # What can be checked without Ray fails first: the task source, the model endpoints.
         TaskLoader(cfg.tasks, run_dir)
         model_state_dir = None
-        if not cfg.model.scripted:
+        pool = None
+        if cfg.model_pool.start_with_run and not cfg.model.scripted:
+            # Started first, waited for after Ray's start: the two overlap.
+            pool = stack.enter_context(PoolChild(cfg, run_dir))
+        elif not cfg.model.scripted:
             if cfg.model.endpoints:
                 _probe_endpoints(cfg)
             model_state_dir = _model_state_dir(cfg)
         if _start_ray(cfg):
             stack.callback(ray.shutdown)
+        if pool is not None:
+            pool.wait_ready()
+            model_state_dir = _model_state_dir(cfg)
         if cfg.model.scripted:
             url = _scripted_endpoint(cfg, stack)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(

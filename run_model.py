@@ -3,6 +3,8 @@
 ``python run_model.py --config C`` starts ``model_pool.replicas`` servers, restarts any that
 die, and publishes them in ``<state_dir>/endpoints.json`` for ``model_service_pool.py``.
 ``status`` and ``reload`` reach the running supervisor over its control server on 127.0.0.1.
+``make-tiny-vlm DIR`` writes a tiny random Qwen2.5-VL (UI-TARS-1.5's architecture) for a dry run
+of the whole path on a CPU (``configs/demo_vlm.yaml``).
 
 This file is the command line only; the fleet lives in ``rollout/fleet/``:
 
@@ -26,19 +28,32 @@ import sys
 from pathlib import Path
 
 from config import add_config_arguments, config_from_args
-from rollout.fleet.cli import cmd_reload, cmd_serve, cmd_status
+from rollout.fleet.cli import cmd_make_tiny_vlm, cmd_reload, cmd_serve, cmd_status
 
 __all__ = ["main"]
 
 
+def _make_tiny_vlm(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(
+        prog="run_model.py make-tiny-vlm",
+        description="Write a tiny random Qwen2.5-VL (UI-TARS-1.5's architecture) to DIR, for a "
+                    "dry run of the whole path on a CPU (configs/demo_vlm.yaml).")
+    parser.add_argument("directory", type=Path, metavar="DIR")
+    return cmd_make_tiny_vlm(parser.parse_args(argv).directory)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["make-tiny-vlm"]:  # needs no config
+        return _make_tiny_vlm(argv[1:])
     parser = argparse.ArgumentParser(
         prog="run_model.py",
-        description="Start and supervise the vLLM pool (default), show its status, or roll a "
-                    "new checkpoint onto it.",
+        description="Start and supervise the vLLM pool (default), show its status, roll a "
+                    "new checkpoint onto it, or write a tiny random vision-language model.",
     )
     parser.add_argument("command", nargs="?", default="serve",
-                        choices=["serve", "status", "reload"])
+                        choices=["serve", "status", "reload", "make-tiny-vlm"],
+                        help="make-tiny-vlm DIR takes no config")
     add_config_arguments(parser)
     parser.add_argument("--checkpoint", help="reload: the new checkpoint; serve: overrides "
                         "model_pool.checkpoint")

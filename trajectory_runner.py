@@ -51,7 +51,15 @@ from rollout.types import (
     is_infeasible,
 )
 from storage_actor import EpisodeWriter
-from ui_tars_utils import ParsedResponse, parse_response, split_terminal, to_pyautogui
+from ui_tars_utils import (
+    IMAGE_WRAPPER_TOKENS,
+    ParsedResponse,
+    action_regex,
+    image_tokens,
+    parse_response,
+    split_terminal,
+    to_pyautogui,
+)
 
 __all__ = ["Decider", "EnvFactory", "EpisodeError", "TrajectoryRunner", "episode_deadline_s",
            "episode_error", "open_leased_desktop"]
@@ -289,7 +297,8 @@ class _Episode:
         self._forget_old_screenshot()
         sampling = self.cfg.model.sampling
         record = step_record(step, generation, parsed, retries, self.files.file_of(shot),
-                             token_ids=sampling.return_token_ids, logprobs=sampling.logprobs)
+                             token_ids=sampling.return_token_ids, logprobs=sampling.logprobs,
+                             constrained=self.cfg.model.constrain_actions)
         self.steps = step
 
         env_started = time.monotonic()
@@ -339,12 +348,23 @@ class _Episode:
         """Ask the model; an unparseable reply is asked again up to ``max_parse_retries``
         times, after which the episode ends as the UI-TARS agents end it (FAIL)."""
         cfg = self.cfg
+        model = cfg.model
+        pixels = {"min_pixels": model.min_pixels, "max_pixels": model.max_pixels}
+        regex = action_regex(width, height, model.family, call_user=cfg.runner.prompt_call_user,
+                             **pixels) if model.constrain_actions else None
+        images = sum(1 for m in messages if isinstance(m.get("content"), list)
+                     for part in m["content"] if part.get("type") == "image_url")
+        per_image = IMAGE_WRAPPER_TOKENS + image_tokens(width, height, **pixels)
+        least_tokens = (images * per_image + model.sampling.max_tokens,
+                        f"{images} screenshot(s) of {width}x{height} ({per_image} tokens each) "
+                        f"and a reply of up to {model.sampling.max_tokens} tokens")
         model_s = 0.0
         for retry in range(cfg.runner.max_parse_retries + 1):
             while True:
                 t0 = time.monotonic()
                 try:
-                    generation = await self.r.model.generate(messages, self.session_id)
+                    generation = await self.r.model.generate(
+                        messages, self.session_id, regex=regex, least_tokens=least_tokens)
                     break
                 except ModelUnavailable as exc:
                     if exc.outage is None:
@@ -356,7 +376,7 @@ class _Episode:
                 self.endpoints.append(generation.endpoint)
             self.model_version = generation.model_version or self.model_version
             try:
-                parsed = parse_response(generation.text, width, height, cfg.model.family)
+                parsed = parse_response(generation.text, width, height, model.family, **pixels)
                 if not parsed.actions:
                     raise ActionParseError("the reply has no action", generation.text)
                 return generation, parsed, retry, model_s

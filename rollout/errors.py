@@ -17,7 +17,9 @@
     │   ├── UnsupportedEvaluator    a task names a getter or metric we do not implement
     │   └── EvaluationError         the scoring code failed (OSWorld's evaluator raised)
     └── ModelRequestError           the model server refused the request (4xx): never retried;
-                                    401/403/404 stop the run (no request can succeed)
+        │                           401/403/404 stop the run (no request can succeed)
+        └── ContextTooShort         a request longer than the endpoint's context, stopped
+                                    before it is sent (stops the run: every step is as long)
 
 Lower-level errors (httpx, Ray, OS) are translated into these at module boundaries with
 ``raise ... from exc`` so the cause stays visible.
@@ -38,6 +40,7 @@ __all__ = [
     "ActionParseError",
     "BadTaskStep",
     "ConfigError",
+    "ContextTooShort",
     "DesktopError",
     "DesktopUnavailable",
     "DownloadMissing",
@@ -186,6 +189,22 @@ class ModelRequestError(RolloutError):
         # A wrong key, no permission, or a model name the server does not serve: every
         # request of the run would get the same answer.
         self.fatal = status in (401, 403, 404)
+
+
+class ContextTooShort(ModelRequestError):
+    """A request needs more tokens than the endpoint's context (``max_model_len``) holds; it
+    was not sent, since the server would refuse it (HTTP 400). The run's settings make every
+    step about as long, so the run stops: lower ``runner.history_images`` or
+    ``model.max_pixels``, or serve a longer context."""
+
+    def __init__(self, needed: int, limit: int, what: str, endpoint: str = "") -> None:
+        super().__init__(400, f"not sent: {what} need at least {needed} tokens, more than the "
+                         f"{limit} the endpoint serves (max_model_len); lower "
+                         "runner.history_images or model.max_pixels, or raise the server's "
+                         "--max-model-len (model_pool.max_model_len)", endpoint)
+        self.needed = needed
+        self.limit = limit
+        self.fatal = True
 
 
 class FleetError(RolloutError):

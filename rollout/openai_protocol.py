@@ -38,6 +38,7 @@ __all__ = [
     "models_body",
     "parse_chat_completion",
     "parse_chat_request",
+    "served_context",
 ]
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -68,14 +69,17 @@ class ChatRequest(_Wire):
     seed: int | None = None
     logprobs: bool | None = None
     return_token_ids: bool | None = None  # vLLM: prompt and completion token ids in the reply
+    structured_outputs: dict[str, Any] | None = None  # vLLM: {"regex": ...} constrains replies
 
 
 def chat_request_body(
-    model: str, messages: list[dict[str, Any]], sampling: SamplingConfig
+    model: str, messages: list[dict[str, Any]], sampling: SamplingConfig,
+    regex: str | None = None,
 ) -> dict[str, Any]:
     """What the client sends: a plain dict (not a ``ChatRequest``), so the messages'
     screenshot data URLs are neither validated nor copied on the client's hot path. The
-    optional fields are sent only when they ask for something."""
+    optional fields are sent only when they ask for something; ``regex`` constrains the
+    reply to match it whole (vLLM's structured outputs)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -90,6 +94,8 @@ def chat_request_body(
         body["logprobs"] = True
     if sampling.return_token_ids:
         body["return_token_ids"] = True
+    if regex is not None:
+        body["structured_outputs"] = {"regex": regex}
     return body
 
 
@@ -284,6 +290,18 @@ class ModelCard(_Wire):
     id: str
     object: str = "model"
     owned_by: str | None = None
+    max_model_len: int | None = None  # vLLM: the context length it serves
+
+
+def served_context(body: bytes | str, model: str) -> int | None:
+    """From a ``GET /v1/models`` reply: the context length (vLLM's ``max_model_len``) of
+    ``model``, else of the only model served; None when the server does not say."""
+    try:
+        cards = ModelList.model_validate_json(body).data
+    except ValidationError:
+        return None
+    card = next((c for c in cards if c.id == model), cards[0] if len(cards) == 1 else None)
+    return card.max_model_len if card is not None else None
 
 
 class ModelList(_Wire):

@@ -28,9 +28,11 @@ def action_dict(a: Action) -> dict[str, Any]:
 
 def step_record(step: int, generation: Generation, parsed: ParsedResponse | None,
                 parse_retries: int, observation_file: str | None, *,
-                token_ids: bool, logprobs: bool) -> dict[str, Any]:
+                token_ids: bool, logprobs: bool, constrained: bool = False) -> dict[str, Any]:
     """A step's traj.jsonl line as known once the model replied; the loop fills ``action``,
-    ``info``, ``timing``, ``done``, ``screenshot_file`` (and ``reward`` at the end)."""
+    ``info``, ``timing``, ``done``, ``screenshot_file`` (and ``reward`` at the end).
+    ``constrained``: the reply was sampled under the action grammar (its logprobs are those
+    of the constrained process)."""
     record: dict[str, Any] = {
         # OSWorld's fields
         "step_num": step,
@@ -50,6 +52,7 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
         "parse_retries": parse_retries,
         "prompt_tokens": generation.prompt_tokens,
         "completion_tokens": generation.completion_tokens,
+        "constrained": constrained,
     }
     if token_ids:
         record["token_ids"] = generation.token_ids

@@ -7,6 +7,10 @@
 #                                        #   and OSWorld's evaluators (as --osworld)
 #   bash scripts/setup_env.sh --osworld  # + OSWorld's own evaluator code in .venv-osworld and
 #                                        #   the osworld desktop apps (LibreOffice, GIMP, VLC ...)
+#   bash scripts/setup_env.sh --vlm      # + serving vision-language models on vLLM's CPU build
+#                                        #   (torchvision isolated in .venv/vlm-cpu-site) and the
+#                                        #   tiny random VLM of configs/demo_vlm.yaml (.models/);
+#                                        #   --dev includes it
 #   options: --vllm auto|cpu|gpu|none    # which vLLM to install (default: none, --dev: auto)
 #            --no-apt                    # skip the Debian packages (e.g. not root, already there)
 #   env:     PYTHON=python3.11           # interpreter for the venvs; VENV=.venv,
@@ -20,20 +24,22 @@ PYTHON="${PYTHON:-python3}"
 VENV="${VENV:-.venv}"
 dev=0
 osworld=0
+vlm=0
 vllm=""
 apt=1
 while [ $# -gt 0 ]; do
     case "$1" in
-        --dev) dev=1; osworld=1 ;;
+        --dev) dev=1; osworld=1; vlm=1 ;;
+        --vlm) vlm=1 ;;
         --osworld) osworld=1 ;;
         --vllm) vllm="${2:?--vllm needs auto, cpu, gpu or none}"; shift ;;
         --no-apt) apt=0 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
 done
-[ -n "$vllm" ] || { if [ "$dev" = 1 ]; then vllm=auto; else vllm=none; fi; }
+[ -n "$vllm" ] || { if [ "$dev" = 1 ] || [ "$vlm" = 1 ]; then vllm=auto; else vllm=none; fi; }
 if [ "$vllm" = auto ]; then
     if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then vllm=gpu; else vllm=cpu; fi
 fi
@@ -112,6 +118,37 @@ else
     echo "$want" > "$stamp"
 fi
 
+# --- vision-language models on vLLM's CPU build ------------------------------------------------
+# vLLM's Qwen2-VL / Qwen2.5-VL code needs torchvision; PyPI's torchvision for this torch is a CUDA
+# build that breaks every vLLM server when installed here (see above). It goes, without its
+# dependencies, into a directory of its own, which run_model.py puts on the PYTHONPATH of
+# vision-language replicas only, with rollout/fleet/vlm_cpu_site/sitecustomize.py.
+if [ "$vlm" = 1 ] && [ "$vllm" = cpu ]; then
+    site="$VENV/vlm-cpu-site"
+    tv="$("$py" -c 'import torch; major, minor = torch.__version__.split("+")[0].split(".")[:2]; print(f"0.{int(minor) + 15}.0" if major == "2" else "")')"
+    [ -n "$tv" ] || { echo "setup_env.sh: no known torchvision for this torch" >&2; exit 1; }
+    if [ -d "$site/torchvision-$tv.dist-info" ]; then
+        log "torchvision $tv for vision-language replicas present ($site)"
+    else
+        log "installing torchvision $tv for vision-language replicas into $site"
+        rm -rf "$site"
+        pip_q install -q --no-deps --target "$site" "torchvision==$tv"
+    fi
+fi
+if [ "$vlm" = 1 ] && [ "$vllm" != none ]; then
+    # The tiny random Qwen2.5-VL that configs/demo_vlm.yaml serves (built here: no model hub).
+    # Rebuilt when its builder changes (a stamp of the builder's hash).
+    vwant="$(sha256sum rollout/testing/tiny_models.py | cut -c1-16)"
+    if [ -f .models/tiny-vlm/model.safetensors ] && [ "$(cat .models/tiny-vlm/.stamp 2>/dev/null)" = "$vwant" ]; then
+        log "tiny VLM present (.models/tiny-vlm)"
+    else
+        log "writing the tiny random VLM to .models/tiny-vlm"
+        rm -rf .models/tiny-vlm
+        "$py" run_model.py make-tiny-vlm .models/tiny-vlm >/dev/null
+        echo "$vwant" > .models/tiny-vlm/.stamp
+    fi
+fi
+
 # --- OSWorld's evaluator code, in an environment of its own ----------------------------------
 # desktop-env pins numpy<2, Pillow 11 and pandas<2.3, which the project's environment cannot
 # share; the evaluator worker (rollout/evaluation/osworld_worker.py) runs under this one.
@@ -138,4 +175,4 @@ if [ "$osworld" = 1 ]; then
         echo "$owant" > "$ostamp"
     fi
 fi
-log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"
+log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, vision-language: $([ "$vlm" = 1 ] && echo yes || echo no), OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"

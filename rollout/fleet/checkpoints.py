@@ -9,6 +9,7 @@ import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from rollout.errors import ConfigError
 
@@ -16,6 +17,9 @@ __all__ = [
     "CheckpointCandidate",
     "checkpoint_mtime",
     "checkpoint_version",
+    "is_vision_language",
+    "max_positions",
+    "model_config",
     "newest_checkpoint",
     "resolve_checkpoint",
     "same_architecture",
@@ -72,6 +76,33 @@ def checkpoint_mtime(checkpoint: str) -> float:
     if not path.is_dir():
         return 0.0
     return max((f.stat().st_mtime for f in _checkpoint_files(path)), default=0.0)
+
+
+def model_config(checkpoint: str) -> dict[str, Any] | None:
+    """A local checkpoint's ``config.json``; None for a hub id or an unreadable file."""
+    try:
+        config = json.loads((Path(checkpoint) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return config if isinstance(config, dict) else None
+
+
+def is_vision_language(checkpoint: str) -> bool:
+    """True for a local checkpoint with a vision tower (``vision_config`` in its config:
+    Qwen2-VL, Qwen2.5-VL / UI-TARS-1.5 ...)."""
+    config = model_config(checkpoint)
+    return config is not None and "vision_config" in config
+
+
+def max_positions(checkpoint: str) -> int | None:
+    """The longest context a local checkpoint takes (``max_position_embeddings``, in its text
+    config for a vision-language model); None when unknown."""
+    config = model_config(checkpoint) or {}
+    for section in (config.get("text_config") or {}, config):
+        value = section.get("max_position_embeddings") if isinstance(section, dict) else None
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def same_architecture(old: str, new: str) -> bool:

@@ -16,17 +16,31 @@ import httpx
 from config import Config
 from rollout.errors import ConfigError, FleetError
 from rollout.fleet.control import ControlClient, ControlServer
+from rollout.fleet.launch import RequestShape
 from rollout.fleet.state import ENDPOINTS_FILE, read_state
 from rollout.fleet.supervisor import Supervisor
 from rollout.http import error_text
 
-__all__ = ["cmd_reload", "cmd_serve", "cmd_status", "format_status"]
+__all__ = ["cmd_make_tiny_vlm", "cmd_reload", "cmd_serve", "cmd_status", "format_status"]
 
 _CLIENT_POLL_S = 0.5  # how often ``reload`` polls the supervisor for progress
 
 
 def _control_timeout_s(cfg: Config) -> float:
     return cfg.model_pool.health_timeout_s * 3
+
+
+def cmd_make_tiny_vlm(directory: Path) -> int:
+    """Write the tiny random Qwen2.5-VL of ``rollout.testing.tiny_models`` to ``directory``."""
+    from rollout.testing.tiny_models import build_tiny_vlm
+
+    if directory.exists() and any(directory.iterdir()):
+        print(f"error: {directory} exists and is not empty", file=sys.stderr)
+        return 1
+    build_tiny_vlm(directory)
+    print(f"wrote a tiny random Qwen2.5-VL to {directory} (serve it with model_pool.checkpoint; "
+          "its replies are random)")
+    return 0
 
 
 def cmd_serve(cfg: Config, watch_dir: Path | None) -> int:
@@ -36,7 +50,8 @@ def cmd_serve(cfg: Config, watch_dir: Path | None) -> int:
               "or --watch DIR)", file=sys.stderr)
         return 2
     try:
-        supervisor = Supervisor(cfg.model_pool, cfg.model.name, watch_dir=watch_dir)
+        supervisor = Supervisor(cfg.model_pool, cfg.model.name, watch_dir=watch_dir,
+                                shape=RequestShape.of(cfg))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
         return 2

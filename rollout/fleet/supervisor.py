@@ -22,7 +22,7 @@ from rollout.errors import ConfigError, FleetError
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.checkpoints import checkpoint_version, resolve_checkpoint, same_architecture
 from rollout.fleet.devices import assign_devices, choose_port, detect_gpus, port_is_free, url_host
-from rollout.fleet.launch import replica_command, replica_env
+from rollout.fleet.launch import RequestShape, check_checkpoint, replica_command, replica_env
 from rollout.fleet.processes import (
     exit_status,
     log_tail,
@@ -164,7 +164,7 @@ class Supervisor:
     """
 
     def __init__(self, pool: ModelPoolConfig, model_name: str, *,
-                 watch_dir: Path | None = None) -> None:
+                 watch_dir: Path | None = None, shape: RequestShape | None = None) -> None:
         self.pool = pool
         self.model_name = model_name
         self.state_dir = pool.state_dir.resolve()
@@ -179,6 +179,10 @@ class Supervisor:
             pool.replicas, pool.tensor_parallel_size, pool.gpu_ids,
             detect_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
+        self.shape = shape  # the run's requests: a vision-language replica's limits
+        if self.checkpoint:  # a checkpoint no replica could serve fails now, not per start
+            check_checkpoint(pool, self.checkpoint, self.devices[0] if self.devices else None,
+                             shape)
         self._control: ControlService | None = None
         self._lock: DirectoryLock | None = None  # held for the supervisor's life
         self._api: ReplicaAPI | None = None
@@ -321,8 +325,10 @@ class Supervisor:
         if r.port in taken or not port_is_free(self.pool.host, r.port):
             r.port = choose_port(self.pool.host, self.pool.base_port, taken)
             r.url = f"http://{url_host(self.pool.host)}:{r.port}"
-        cmd = replica_command(self.pool, self.model_name, r.checkpoint, r.port, r.devices)
-        env = replica_env(self.pool, r.devices, self.state_dir / "tmp" / f"replica-{r.index}")
+        cmd = replica_command(self.pool, self.model_name, r.checkpoint, r.port, r.devices,
+                              self.shape)
+        env = replica_env(self.pool, r.devices, self.state_dir / "tmp" / f"replica-{r.index}",
+                          r.checkpoint)
         r.proc = spawn(cmd, env, r.log_path)
         r.started_at = time.time()
         r.state, r.healthy, r.health_failures, r.last_exit = "starting", False, 0, None
@@ -474,6 +480,8 @@ class Supervisor:
         try:
             ckpt = resolve_checkpoint(checkpoint)
             version = checkpoint_version(ckpt)
+            check_checkpoint(self.pool, ckpt, self.devices[0] if self.devices else None,
+                             self.shape)
         except (ConfigError, OSError) as exc:
             return ReloadOutcome(None, ReloadRefusal.BAD_CHECKPOINT, str(exc))
         self._reload_seq += 1

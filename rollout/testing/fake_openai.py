@@ -44,8 +44,10 @@ class FakeOpenAIServer(ThreadedServer):
         model: str = "fake-model",
         reply: Callable[[dict[str, Any]], str] | None = None,
         healthy: bool = True,
+        max_model_len: int | None = None,
     ) -> None:
         self.latency_s = latency_s
+        self.max_model_len = max_model_len  # reported by /v1/models, as vLLM does
         self.model = model
         self.reply = reply or (lambda body: "Thought: ok\nAction: wait()")
         self.healthy = healthy
@@ -66,7 +68,9 @@ class FakeOpenAIServer(ThreadedServer):
 
         @app.get(MODELS_PATH)
         async def models() -> dict[str, Any]:
-            return models_body(self.model)
+            if self.max_model_len is None:
+                return models_body(self.model)
+            return models_body(self.model, max_model_len=self.max_model_len)
 
         @app.post(CHAT_COMPLETIONS_PATH)
         async def chat(request: Request) -> Any:

@@ -164,7 +164,9 @@ async def play(
             else:
                 break
             history.append(Turn(shot, text))
-            parsed = parse_response(text, width, height, cfg.model.family)
+            parsed = parse_response(text, width, height, cfg.model.family,
+                                    min_pixels=cfg.model.min_pixels,
+                                    max_pixels=cfg.model.max_pixels)
             code = to_pyautogui(parsed.actions)
             say(f"{step + 1:02d} {code.strip()}")
             if code in (DONE, FAIL):

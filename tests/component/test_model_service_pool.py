@@ -12,7 +12,7 @@ import pytest
 
 from config import ModelConfig, SamplingConfig
 from model_service_pool import ENDPOINTS_FILE, ModelServicePool
-from rollout.errors import ModelRequestError, ModelUnavailable
+from rollout.errors import ContextTooShort, ModelRequestError, ModelUnavailable
 from rollout.openai_protocol import (
     ChatReply,
     ChatRequest,
@@ -68,6 +68,37 @@ async def test_generation_fields_and_request_body(servers):
     assert body["model"] == "ui-tars" and body["messages"] == MESSAGES
     assert body["max_tokens"] == 77 and body["temperature"] == 0.0 and body["seed"] == 5
     assert body["logprobs"] is True and body["return_token_ids"] is True
+
+
+async def test_a_request_longer_than_the_endpoints_context_is_not_sent(servers):
+    (srv,) = servers(1, max_model_len=4096)
+    pool = ModelServicePool(model_cfg([srv.url]))
+    try:
+        with pytest.raises(ContextTooShort) as caught:
+            await pool.generate(MESSAGES, "s", least_tokens=(5000, "5 screenshot(s) of 1x1"))
+        assert srv.requests == []  # never sent
+        error = caught.value
+        assert error.fatal and not error.retryable and (error.needed, error.limit) == (5000, 4096)
+        assert "5 screenshot(s) of 1x1 need at least 5000 tokens" in str(error)
+        assert "runner.history_images" in str(error)
+        # One that fits is sent, with the action grammar when asked; the context was asked
+        # of the server once.
+        await pool.generate(MESSAGES, "s", least_tokens=(4096, "fits"), regex="Thought: a")
+        await pool.generate(MESSAGES, "s", least_tokens=(100, "fits"))
+    finally:
+        await pool.close()
+    assert srv.requests[0]["structured_outputs"] == {"regex": "Thought: a"}
+    assert "structured_outputs" not in srv.requests[1]
+
+
+async def test_a_server_that_does_not_say_its_context_is_not_checked(servers):
+    (srv,) = servers(1)
+    pool = ModelServicePool(model_cfg([srv.url]))
+    try:
+        await pool.generate(MESSAGES, "s", least_tokens=(10**9, "anything"))
+    finally:
+        await pool.close()
+    assert len(srv.requests) == 1
 
 
 async def test_credentials_in_an_endpoint_url_are_sent_but_never_recorded(servers):
@@ -350,7 +381,7 @@ async def test_endpoint_snapshot(servers):
     assert pool.stats()["endpoints"] == [{
         "url": srv.url, "model_version": None, "draining": False, "outstanding": 0,
         "served": 0, "consecutive_failures": 1, "ejected": False,
-        "last_error": "HTTP 500: fault 500",
+        "last_error": "HTTP 500: fault 500", "max_model_len": None, "context_asked": False,
     }]
 
 

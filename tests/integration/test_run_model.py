@@ -49,7 +49,6 @@ from tests.support import REPO_ROOT, unavailable
 
 ROOT = REPO_ROOT
 RUN_MODEL = ROOT / "run_model.py"
-TINY_MODEL = ROOT / "tests" / "tiny_model.py"
 MODEL_NAME = "tiny"
 # Deadlines are generous: this machine has 2 cores and other suites run beside this one.
 START_TIMEOUT_S = 420.0
@@ -383,7 +382,8 @@ def models(tmp_path_factory) -> Models:
     watch_dir = root / "watch"
     watch_dir.mkdir()
     first, second, watched = watch_dir / "step-1", root / "second", root / "staged" / "step-2"
-    subprocess.run([sys.executable, str(TINY_MODEL), str(first), str(second), str(watched)],
+    subprocess.run([sys.executable, "-m", "rollout.testing.tiny_models", "text", str(first),
+                    str(second), str(watched)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     return Models(first, second, watched, watch_dir)
 

@@ -51,6 +51,9 @@ model:
   max_connections_per_endpoint: 64
   endpoint_failures_to_eject: 5
   reprobe_interval_s: 3
+  min_pixels: 3136
+  max_pixels: 1003520
+  constrain_actions: true
 model_pool:
   checkpoint: /ckpt/step-100
   replicas: 4
@@ -77,6 +80,9 @@ model_pool:
   cpu_kv_cache_space_gib: 1
   cpu_threads_per_replica: 2
   cpu_enforce_eager: false
+  max_model_len: 16384
+  vlm_cpu_site: /opt/vlm-site
+  start_with_run: false
 desktops:
   provider: static
   count: 3
@@ -136,6 +142,9 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.model.family == "uitars-1.0" and cfg.model.sampling.max_tokens == 1000
     assert cfg.model.endpoints == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert cfg.model_pool.replicas == 4 and cfg.model_pool.env == {"VLLM_SERVER_DEV_MODE": "1"}
+    assert cfg.model.max_pixels == 1003520 and cfg.model.constrain_actions is True
+    assert cfg.model_pool.max_model_len == 16384
+    assert cfg.model_pool.vlm_cpu_site == Path("/opt/vlm-site")
     assert cfg.desktops.provider == "static" and cfg.desktops.static.reset_command == [
         "bash",
         "reset.sh",
