@@ -21,13 +21,31 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 from rollout.errors import ConfigError
 
 __all__ = [
-    "LEASE_MARGIN_S", "Config", "CoordinatorConfig", "DesktopsConfig", "DynamicRolloutsConfig",
+    "LEASE_MARGIN_S",
+    "Config",
+    "ContainerDesktopsConfig",
+    "CoordinatorConfig",
+    "DesktopsConfig",
+    "DynamicRolloutsConfig",
     "EvaluationConfig",
-    "KubernetesDesktopsConfig", "LocalDesktopsConfig", "ModelConfig", "ModelPoolConfig",
-    "MonitoringConfig", "RayConfig", "RunConfig", "RunnerConfig", "SamplingConfig",
-    "StaticDesktopsConfig", "StorageConfig", "TasksConfig", "VerifyConfig",
+    "KubernetesDesktopsConfig",
+    "LocalDesktopsConfig",
+    "ModelConfig",
+    "ModelPoolConfig",
+    "MonitoringConfig",
+    "RayConfig",
+    "RunConfig",
+    "RunnerConfig",
+    "SamplingConfig",
+    "StaticDesktopsConfig",
+    "StorageConfig",
+    "TasksConfig",
+    "VerifyConfig",
     "add_config_arguments",
-    "config_from_args", "load_config", "main", "secret_from_env",
+    "config_from_args",
+    "load_config",
+    "main",
+    "secret_from_env",
 ]
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -284,6 +302,32 @@ class LocalDesktopsConfig(_Section):
     """Deadline for a desktop to become healthy."""
 
 
+class ContainerDesktopsConfig(_Section):
+    """Desktops as containers of the desktop image (``scripts/build_desktop_image.sh``) on a
+    container engine's CLI (podman or docker), started and removed by the pool."""
+
+    engine: Literal["auto", "podman", "docker"] = "auto"
+    """The engine's CLI (auto: podman if installed, else docker)."""
+    image: str = "localhost/cua-desktop:demo"
+    """The desktop image. The build script tags each build ``cua-desktop:<version>-<profile>-
+    <inputs hash>`` and also ``cua-desktop:<profile>``, the last one built."""
+    cpus: PositiveFloat | None = 1.0
+    """CPU limit per desktop (``--cpus``; null: none)."""
+    memory: str | None = "2g"
+    """Memory limit per desktop (``--memory``; null: none)."""
+    publish_host: str = "127.0.0.1"
+    """Host address the desktop's port is published on (a random free port); another node
+    reaches the desktops through a non-loopback address here (the token is then required)."""
+    network: str | None = None
+    """Engine network to attach (null: the engine's default)."""
+    runtime: str | None = None
+    """OCI runtime (``--runtime``; null: podman on cgroups v1 gets runc, else the engine's)."""
+    extra_args: list[str] = []
+    """More ``run`` arguments, e.g. ``["--shm-size", "1g"]``."""
+    start_timeout_s: PositiveFloat = 60.0
+    """Deadline for a container's desktop server to answer after ``run``."""
+
+
 class StaticDesktopsConfig(_Section):
     """Desktops that already run somewhere (e.g. OSWorld VMs), given by URL."""
 
@@ -364,7 +408,7 @@ class KubernetesDesktopsConfig(_Section):
 class DesktopsConfig(_Section):
     """The pool of desktops episodes lease."""
 
-    provider: Literal["local", "static", "kubernetes"] = "local"
+    provider: Literal["local", "static", "container", "kubernetes"] = "local"
     """Where desktops come from."""
     count: PositiveInt = 2
     """Desktops in the pool (for ``static``: taken from ``static.urls`` when unset)."""
@@ -423,6 +467,8 @@ class DesktopsConfig(_Section):
     """Settings of the ``local`` provider."""
     static: StaticDesktopsConfig = StaticDesktopsConfig()
     """Settings of the ``static`` provider."""
+    container: ContainerDesktopsConfig = ContainerDesktopsConfig()
+    """Settings of the ``container`` provider."""
     kubernetes: KubernetesDesktopsConfig = KubernetesDesktopsConfig()
     """Settings of the ``kubernetes`` provider."""
 

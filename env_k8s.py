@@ -6,6 +6,7 @@ The code lives in ``rollout/envs/``: ``contract.py`` (DesktopEnv, DesktopProbe, 
 ``client.py`` (RemoteDesktopEnv over ``desktop/protocol.py``), ``setup_steps.py`` (OSWorld
 setup steps), ``pool.py`` (DesktopPool, Lease), ``providers/`` (one file per provider),
 ``checker.py`` (check_desktop_env) and ``local_session.py`` (the local provider's launcher).
+Providers: ``local`` (this machine), ``static`` (by URL), ``container`` (podman / docker).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from rollout.envs.contract import (
 )
 from rollout.envs.pool import DesktopPool, Lease
 from rollout.envs.providers import PROVIDERS, Desktop, DesktopProvider, make_provider
+from rollout.envs.providers.container import ContainerProvider
 from rollout.envs.providers.local import LocalProvider
 from rollout.envs.providers.static import StaticProvider
 
@@ -37,6 +39,7 @@ __all__ = [
     "PROVIDERS",
     "SPECIAL_ACTIONS",
     "WAIT",
+    "ContainerProvider",
     "Desktop",
     "DesktopEnv",
     "DesktopPool",

@@ -7,6 +7,8 @@
 #                                        #   and OSWorld's evaluators (as --osworld)
 #   bash scripts/setup_env.sh --osworld  # + OSWorld's own evaluator code in .venv-osworld and
 #                                        #   the osworld desktop apps (LibreOffice, GIMP, VLC ...)
+#   bash scripts/setup_env.sh --containers  # + podman (runc) and the desktop image it runs
+#                                        #   (desktops.provider: container); --dev includes it
 #   bash scripts/setup_env.sh --vlm      # + serving vision-language models on vLLM's CPU build
 #                                        #   (torchvision isolated in .venv/vlm-cpu-site) and the
 #                                        #   tiny random VLM of configs/demo_vlm.yaml (.models/);
@@ -25,16 +27,18 @@ VENV="${VENV:-.venv}"
 dev=0
 osworld=0
 vlm=0
+containers=0
 vllm=""
 apt=1
 while [ $# -gt 0 ]; do
     case "$1" in
-        --dev) dev=1; osworld=1; vlm=1 ;;
+        --dev) dev=1; osworld=1; vlm=1; containers=1 ;;
         --vlm) vlm=1 ;;
+        --containers) containers=1 ;;
         --osworld) osworld=1 ;;
         --vllm) vllm="${2:?--vllm needs auto, cpu, gpu or none}"; shift ;;
         --no-apt) apt=0 ;;
-        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -50,24 +54,17 @@ log() { printf '[setup] %s\n' "$*"; }
 pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a file nor a directory' || true; }; }
 
 # --- Debian packages: the local desktop stack and what tests drive -----------------------
-# Xvfb + openbox: a desktop per display; xterm, mousepad, galculator: demo apps;
-# wmctrl, xdotool: window control and unicode typing; xclip: clipboard for pyperclip;
-# ffmpeg: screen recording; at-spi2-core, python3-pyatspi, dbus: accessibility trees;
-# x11-utils: xdpyinfo/xwininfo; fonts: readable screenshots; xdg-utils: /setup/open_file.
-apt_packages=(xvfb openbox xterm mousepad galculator wmctrl xdotool xclip ffmpeg
-              at-spi2-core python3-pyatspi dbus dbus-x11 x11-utils x11-xserver-utils
-              fonts-dejavu-core procps xdg-utils)
+# The desktop's packages are listed once, for local desktops and the desktop image alike:
+# desktop/image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
+apt_list() { grep -v -E '^[[:space:]]*(#|$)' "desktop/image/$1"; }
+mapfile -t apt_packages < <(apt_list apt-base.txt)
 # Only the tests need a browser (the trajectory viewer is checked in headless chromium)
 # and OCR (the secrets test reads the screenshot of a terminal with tesseract).
 [ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr)
-# The "osworld" desktop profile: the apps OSWorld's domains use that Debian packages
-# (chrome -> Chromium, run as google-chrome by desktop/apps/google-chrome; LibreOffice Calc,
-# Writer, Impress; GIMP; VLC, run by desktop/apps/vlc; Thunderbird; GNOME Terminal, on Ctrl+Alt+T
-# as on its Ubuntu VMs) and what its tasks' setup calls (socat, wmctrl, xdotool). VS Code has
-# no Debian package: vs_code tasks need an image that brings it.
-[ "$osworld" = 1 ] && apt_packages+=(chromium libreoffice-calc libreoffice-writer
-                                     libreoffice-impress libreoffice-gtk3 gimp vlc thunderbird
-                                     gnome-terminal socat fonts-liberation)
+[ "$osworld" = 1 ] && mapfile -t -O "${#apt_packages[@]}" apt_packages < <(apt_list apt-osworld.txt)
+# Container desktops: podman with Debian's runc (its default crun refuses this kind of VM's
+# cgroups v1), and debootstrap for the image's Debian base where no registry is reachable.
+[ "$containers" = 1 ] && apt_packages+=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do
@@ -149,6 +146,16 @@ if [ "$vlm" = 1 ] && [ "$vllm" != none ]; then
     fi
 fi
 
+# --- the desktop image (desktops.provider: container) --------------------------------------------
+# Rebuilt only when its inputs change (desktop/, its package lists, the build script).
+if [ "$containers" = 1 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        PYTHON="$py" bash scripts/build_desktop_image.sh --profile demo >/dev/null
+    else
+        log "skipping the desktop image: its debootstrap base needs root (run scripts/build_desktop_image.sh as root)"
+    fi
+fi
+
 # --- OSWorld's evaluator code, in an environment of its own ----------------------------------
 # desktop-env pins numpy<2, Pillow 11 and pandas<2.3, which the project's environment cannot
 # share; the evaluator worker (rollout/evaluation/osworld_worker.py) runs under this one.
@@ -175,4 +182,4 @@ if [ "$osworld" = 1 ]; then
         echo "$owant" > "$ostamp"
     fi
 fi
-log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, vision-language: $([ "$vlm" = 1 ] && echo yes || echo no), OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"
+log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, vision-language: $([ "$vlm" = 1 ] && echo yes || echo no), container desktops: $([ "$containers" = 1 ] && echo yes || echo no), OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"

@@ -111,6 +111,9 @@ desktops:
            retry_quarantined_s: 60, reset: command, reset_url: "http://vm-manager/reset"}
   verify: {enabled: false, home_depth: 3, ignore_paths: [snap], ignore_processes: [tracker],
            screenshot_max_distance: 4, timeout_s: 10}
+  container: {engine: podman, image: "localhost/cua-desktop:osworld", cpus: 2, memory: 3g,
+              publish_host: 127.0.0.1, network: cua, runtime: runc, extra_args: [--shm-size, 1g],
+              start_timeout_s: 45}
   kubernetes: {namespace: rollout, image: desk:1, service_account: sa, cpu: "2", memory: 4Gi,
                port: 5000, startup_timeout_s: 200}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
@@ -143,6 +146,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.model.endpoints == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert cfg.model_pool.replicas == 4 and cfg.model_pool.env == {"VLLM_SERVER_DEV_MODE": "1"}
     assert cfg.model.max_pixels == 1003520 and cfg.model.constrain_actions is True
+    assert cfg.desktops.container.memory == "3g" and cfg.desktops.container.runtime == "runc"
     assert cfg.model_pool.max_model_len == 16384
     assert cfg.model_pool.vlm_cpu_site == Path("/opt/vlm-site")
     assert cfg.desktops.provider == "static" and cfg.desktops.static.reset_command == [

@@ -16,6 +16,7 @@ __all__ = ["PROVIDERS", "Desktop", "DesktopProvider", "make_provider"]
 PROVIDERS: dict[str, str] = {
     "local": "rollout.envs.providers.local:LocalProvider",
     "static": "rollout.envs.providers.static:StaticProvider",
+    "container": "rollout.envs.providers.container:ContainerProvider",
 }
 
 

@@ -29,7 +29,7 @@ from rollout.envs.verify import DESKTOP_SCRIPT
 from rollout.errors import DesktopError
 from rollout.http import error_text, redact_url
 
-__all__ = ["StaticProvider"]
+__all__ = ["StaticProvider", "builtin_reset", "run_desktop_python", "take_baseline"]
 
 # Shared by both scripts: the baseline's place and HOME, with DESKTOP_SCRIPT's functions.
 _PROCESSES = DESKTOP_SCRIPT + r"""
@@ -89,6 +89,31 @@ print(json.dumps({"closed": closed, "killed": len(victims)}))
 """
 
 
+async def run_desktop_python(cfg: DesktopsConfig, desktop: Desktop, script: str, what: str
+                             ) -> str:
+    """Run ``script`` with the desktop's ``python3`` (``/execute``); its output.
+    ``DesktopError`` naming ``what`` when it fails."""
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    try:
+        reply = await env.execute(["python3", "-c", script], timeout_s=cfg.reset_timeout_s)
+    finally:
+        await env.close()
+    if reply.get("returncode") not in (0, None):
+        raise DesktopError(f"{desktop.id}: {what} failed (exit {reply.get('returncode')}): "
+                           f"{str(reply.get('error') or '').strip()[-300:]}")
+    return str(reply.get("output") or "")
+
+
+async def take_baseline(cfg: DesktopsConfig, desktop: Desktop) -> None:
+    """Record the desktop's first state for ``builtin_reset`` (kept if already recorded)."""
+    await run_desktop_python(cfg, desktop, _SNAPSHOT, "taking the reset baseline")
+
+
+async def builtin_reset(cfg: DesktopsConfig, desktop: Desktop) -> None:
+    """Back to the baseline: new windows closed, new processes ended, HOME restored."""
+    await run_desktop_python(cfg, desktop, _RESET, "builtin reset")
+
+
 class StaticProvider(DesktopProvider):
     """Desktops that already run (e.g. OSWorld VMs), given by URL; never started or stopped.
     Reset as ``desktops.static.reset`` says; the pool checks health and the initial state
@@ -114,14 +139,14 @@ class StaticProvider(DesktopProvider):
         if not await self.health(desktop):
             raise DesktopError(f"static desktop {redact_url(desktop.url)} does not answer")
         if self.cfg.static.reset == "builtin":
-            await self._python(desktop, _SNAPSHOT, "taking the reset baseline")
+            await take_baseline(self.cfg, desktop)
         return desktop
 
     async def reset(self, desktop: Desktop) -> None:
         how = self.cfg.static.reset
         started = time.monotonic()
         if how == "builtin":
-            await self._python(desktop, _RESET, "builtin reset")
+            await builtin_reset(self.cfg, desktop)
         elif how == "command":
             assert self.cfg.static.reset_command
             reply = await self._env(desktop).execute(self.cfg.static.reset_command,
@@ -134,18 +159,6 @@ class StaticProvider(DesktopProvider):
             await self._reset_by_http(desktop)
         desktop.info["last_reset"] = {"how": how, "seconds": time.monotonic() - started}
         # The pool health-checks and verifies every desktop after its reset.
-
-    async def _python(self, desktop: Desktop, script: str, what: str) -> str:
-        env = self._env(desktop)
-        try:
-            reply = await env.execute(["python3", "-c", script],
-                                      timeout_s=self.cfg.reset_timeout_s)
-        finally:
-            await env.close()
-        if reply.get("returncode") not in (0, None):
-            raise DesktopError(f"{desktop.id}: {what} failed (exit {reply.get('returncode')}): "
-                               f"{str(reply.get('error') or '').strip()[-300:]}")
-        return str(reply.get("output") or "")
 
     async def _reset_by_http(self, desktop: Desktop) -> None:
         url = self.cfg.static.reset_url

@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Build the desktop image (desktop/image/Containerfile) with podman or docker, tagged with the
+# project version, the profile and a hash of its inputs; an image of that tag is reused, so a
+# second build of unchanged inputs takes a second. Prints the tag on its last line.
+#
+#   bash scripts/build_desktop_image.sh                    # the demo's desktop
+#   bash scripts/build_desktop_image.sh --profile osworld  # + OSWorld's apps (Chromium, LibreOffice ...)
+#   options: --engine podman|docker (default: podman if installed, else docker)
+#            --base debootstrap|registry  (default debootstrap: Debian from deb.debian.org, no
+#                                          registry needed; registry: FROM debian:bookworm-slim)
+#            --print-tag                  # the tag the inputs give, without building
+#   env:     DEBIAN_MIRROR (default http://deb.debian.org/debian), PYTHON (default .venv/bin/python)
+set -euo pipefail
+
+here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$here"
+
+profile=demo
+engine=""
+base_from=debootstrap
+print_tag=0
+while [ $# -gt 0 ]; do
+    case "$1" in
+        --profile) profile="${2:?--profile needs demo or osworld}"; shift ;;
+        --engine) engine="${2:?--engine needs podman or docker}"; shift ;;
+        --base) base_from="${2:?--base needs debootstrap or registry}"; shift ;;
+        --print-tag) print_tag=1 ;;
+        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        *) echo "build_desktop_image.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
+    esac
+    shift
+done
+case "$profile" in demo|osworld) ;; *) echo "build_desktop_image.sh: --profile must be demo or osworld, not '$profile'" >&2; exit 2 ;; esac
+case "$base_from" in debootstrap|registry) ;; *) echo "build_desktop_image.sh: --base must be debootstrap or registry" >&2; exit 2 ;; esac
+if [ -z "$engine" ]; then
+    if command -v podman >/dev/null 2>&1; then engine=podman
+    elif command -v docker >/dev/null 2>&1; then engine=docker
+    else echo "build_desktop_image.sh: neither podman nor docker is installed (bash scripts/setup_env.sh --containers)" >&2; exit 2; fi
+fi
+log() { printf '[image] %s\n' "$*" >&2; }
+
+image_dir=desktop/image
+packages=("$image_dir/apt-base.txt")
+[ "$profile" = osworld ] && packages+=("$image_dir/apt-osworld.txt")
+pkg_list="$(cat "${packages[@]}" | grep -v -E '^[[:space:]]*(#|$)' | sort -u | paste -sd, -)"
+version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
+
+# The inputs: the Debian packages, the Python requirements, desktop/ itself and this script.
+hash_of() { sha256sum | cut -c1-12; }
+# The image's Python: Debian's (the venv sees its python3-pyatspi; pyautogui needs tkinter).
+image_python="python3,python3-venv,python3-tk,ca-certificates"
+base_hash="$(printf '%s\n' "$image_python" "$pkg_list" "$base_from" | hash_of)"
+inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt";
+    find desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
+        | xargs -0 sha256sum; } | hash_of)"
+base_tag="localhost/cua-desktop-base:bookworm-$base_hash"
+tag="localhost/cua-desktop:$version-$profile-$inputs_hash"
+if [ "$print_tag" = 1 ]; then echo "$tag"; exit 0; fi
+
+# Podman on cgroups v1 needs runc and explicit ulimits (docs/containers.md).
+run_flags=()
+if [ "$engine" = podman ]; then
+    run_flags+=(--runtime runc --ulimit nofile=1024:1024 --ulimit nproc=4096:4096)
+fi
+build_flags=("${run_flags[@]}")
+# The docker image format keeps HEALTHCHECK (podman's default, OCI, drops it).
+[ "$engine" = podman ] && build_flags+=(--format docker)
+exists() { "$engine" image inspect "$1" >/dev/null 2>&1; }
+
+if exists "$tag"; then
+    "$engine" tag "$tag" "localhost/cua-desktop:$profile"  # the last one built or asked for
+    log "up to date: $tag"
+    echo "$tag"
+    exit 0
+fi
+started=$(date +%s)
+work="$(mktemp -d "${TMPDIR:-/tmp}/cua-image.XXXXXX")"
+trap 'rm -rf "$work"' EXIT
+
+# --- the Debian base ------------------------------------------------------------------------
+if exists "$base_tag"; then
+    log "base up to date: $base_tag"
+elif [ "$base_from" = debootstrap ]; then
+    command -v debootstrap >/dev/null || { echo "build_desktop_image.sh: debootstrap is not installed (bash scripts/setup_env.sh --containers)" >&2; exit 2; }
+    [ "$(id -u)" = 0 ] || { echo "build_desktop_image.sh: debootstrap needs root" >&2; exit 2; }
+    mirror="${DEBIAN_MIRROR:-http://deb.debian.org/debian}"
+    log "debootstrap bookworm with $(tr ',' '\n' <<<"$pkg_list" | wc -l) packages from $mirror"
+    debootstrap --variant=minbase --include="$image_python,$pkg_list" \
+        bookworm "$work/rootfs" "$mirror" > "$work/debootstrap.log" 2>&1 \
+        || { tail -20 "$work/debootstrap.log" >&2; exit 1; }
+    # What an image does not need: downloaded packages, documentation, translations.
+    rm -rf "$work"/rootfs/var/cache/apt/archives/*.deb "$work"/rootfs/var/lib/apt/lists/* \
+           "$work"/rootfs/usr/share/doc/* "$work"/rootfs/usr/share/man/* \
+           "$work"/rootfs/usr/share/locale/* "$work"/rootfs/usr/share/info/*
+    log "importing the base as $base_tag"
+    tar -C "$work/rootfs" -c . | "$engine" import --change 'CMD ["/bin/bash"]' - "$base_tag" >/dev/null
+    rm -rf "$work/rootfs"
+else
+    log "base from debian:bookworm-slim with apt-get"
+    printf 'FROM docker.io/library/debian:bookworm-slim\nRUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends %s && rm -rf /var/lib/apt/lists/*\n' \
+        "$(tr ',' ' ' <<<"$image_python,$pkg_list")" > "$work/Containerfile.base"
+    "$engine" build "${build_flags[@]}" -t "$base_tag" -f "$work/Containerfile.base" "$work" >&2
+fi
+
+# --- the image: desktop/, its wheels (built here, so the build needs no network) ------------
+py="${PYTHON:-.venv/bin/python}"
+[ -x "$py" ] || py=python3
+want="$("$engine" run --rm "${run_flags[@]}" "$base_tag" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+have="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+[ "$want" = "$have" ] || { echo "build_desktop_image.sh: the image's Python is $want and $py is $have: set PYTHON to a Python $want (the wheels are built for it)" >&2; exit 2; }
+mkdir -p "$work/ctx/wheels"
+log "wheels of $image_dir/requirements.txt"
+"$py" -m pip wheel -q -w "$work/ctx/wheels" -r "$image_dir/requirements.txt" 2>&1 \
+    | { grep -v -e 'is ignored: it is neither' || true; } >&2
+cp "$image_dir/requirements.txt" "$work/ctx/"
+mkdir "$work/ctx/desktop"
+tar -C desktop --exclude=__pycache__ --exclude='*.pyc' --exclude=image -c . | tar -C "$work/ctx/desktop" -x
+log "building $tag with $engine"
+"$engine" build "${build_flags[@]}" --build-arg "BASE=$base_tag" \
+    --label "org.opencontainers.image.version=$version" --label "cua.profile=$profile" \
+    --label "cua.inputs=$inputs_hash" \
+    -t "$tag" -t "localhost/cua-desktop:$version-$profile" -t "localhost/cua-desktop:$profile" -f "$image_dir/Containerfile" "$work/ctx" >&2
+size="$("$engine" image inspect "$tag" --format '{{.Size}}')"
+log "built $tag: $((size / 1024 / 1024)) MB in $(( $(date +%s) - started )) s"
+echo "$tag"

@@ -1,0 +1,165 @@
+"""Desktops as containers of the desktop image on a real engine (podman with runc here):
+the conformance checker on one, start and reset in place, a leaked container of a dead run
+swept by label (never one of a live run), a container killed mid-episode retried elsewhere and
+replaced, and the demo end to end with ``desktops.provider: container``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+
+import pytest
+
+from config import DesktopsConfig
+from env_k8s import DesktopPool, RemoteDesktopEnv, check_desktop_env
+from rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
+from tests.support import REPO_ROOT, unavailable
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+BUILD = REPO_ROOT / "scripts" / "build_desktop_image.sh"
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    """The demo profile's image, built (or found up to date) by the build script."""
+    if shutil.which("podman") is None:
+        unavailable("podman is not installed (scripts/setup_env.sh --containers)")
+    done = subprocess.run(["bash", str(BUILD), "--profile", "demo"], cwd=REPO_ROOT,
+                          capture_output=True, text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]
+
+
+def _cfg(image: str, **kw) -> DesktopsConfig:
+    base = dict(provider="container", count=1, warm_spares=0, screen_width=1280,
+                screen_height=720, lease_timeout_s=60, reset_timeout_s=60,
+                container={"image": image, "start_timeout_s": 90})
+    base.update(kw)
+    return DesktopsConfig(**base)
+
+
+def _ours(label: str) -> list[str]:
+    out = subprocess.run(["podman", "ps", "-aq", "--filter", f"label={LABEL_RUN}={label}"],
+                         capture_output=True, text=True, check=True).stdout
+    return out.split()
+
+
+async def test_a_container_desktop_conforms_and_resets_in_place(image):
+    cfg = _cfg(image)
+    provider = ContainerProvider(cfg)
+    starts, resets = [], []
+    desktop = await provider.start(0)
+    try:
+        starts.append(desktop.info["start_s"])
+        env = RemoteDesktopEnv.for_lease(desktop.url, cfg, name=desktop.id)
+        seen = await check_desktop_env(env, screen_size=(1280, 720))
+        assert seen["step"].returncode == 0  # pyautogui ran on the container's display
+        # What an episode leaves (a file in HOME, an app) is gone after the reset.
+        env = RemoteDesktopEnv.for_lease(desktop.url, cfg, name=desktop.id)
+        try:
+            await env.execute(["bash", "-c", "echo x > ~/Desktop/left.txt; xterm & sleep 1"])
+            for _ in range(3):
+                t0 = time.monotonic()
+                await provider.reset(desktop)
+                resets.append(time.monotonic() - t0)
+            assert await env.get_file("/home/user/Desktop/left.txt") is None
+            listing = await env.execute(["pgrep", "-x", "xterm"])
+            assert listing.get("returncode") == 1, listing  # no xterm left
+        finally:
+            await env.close()
+        assert await provider.health(desktop)
+        # Container start as a user sees it: run -> the server answers.
+        for i in (1, 2):
+            other = await provider.start(i)
+            starts.append(other.info["start_s"])
+            await provider.stop(other)
+    finally:
+        await provider.stop(desktop)
+    assert _ours(provider.run) == [], "containers left after stop"
+    print(f"\ncontainer start s: {starts} (median {statistics.median(starts):.2f}); "
+          f"reset s: {[round(r, 2) for r in resets]}")
+
+
+async def test_a_leaked_container_of_a_dead_run_is_swept_and_a_live_runs_is_not(image):
+    cfg = _cfg(image)
+    # A "run" that is gone: a process started and ended here, its label on a container.
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead_label = run_label(gone.pid)
+    gone.wait()
+    leaked = subprocess.run(
+        ["podman", "run", "-d", "--runtime", "runc", "--ulimit", "nofile=1024:1024",
+         "--ulimit", "nproc=4096:4096", "--label", f"{LABEL_RUN}={dead_label}",
+         "--label", "cua.desktop=ctr-leaked", "-e", "CUA_DESKTOP_INSECURE_NO_TOKEN=1", image],
+        capture_output=True, text=True, check=True).stdout.strip()
+    live = ContainerProvider(cfg)
+    desktop = await live.start(0)
+    try:
+        assert "ctr-leaked" in live.stale_removed
+        assert _ours(dead_label) == []
+        # A second pool (another run, alive) sweeps nothing of the first one's.
+        second = ContainerProvider(cfg)
+        assert await second.sweep() == []
+        assert await live.health(desktop)
+    finally:
+        await live.stop(desktop)
+        subprocess.run(["podman", "rm", "-f", leaked], capture_output=True)
+
+
+async def test_a_container_killed_mid_lease_is_replaced(image):
+    cfg = _cfg(image, count=2)
+    pool = DesktopPool(cfg)
+    await pool.start()
+    try:
+        lease = await pool.lease("victim")
+        container = pool.provider._containers[lease.desktop_id]
+        subprocess.run(["podman", "kill", container], capture_output=True, check=True)
+        await pool.release(lease.lease_id, healthy=False)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            ids = set(pool.provider._containers)
+            if lease.desktop_id not in ids and len(ids) == 2:
+                break
+            await asyncio.sleep(0.5)
+        assert lease.desktop_id not in pool.provider._containers
+        again = await pool.lease("next")
+        assert again.desktop_id != lease.desktop_id
+        await pool.release(again.lease_id)
+    finally:
+        await pool.stop()
+    assert _ours(pool.provider.run) == []
+
+
+def test_the_demo_on_container_desktops(tmp, image):
+    tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
+            str(REPO_ROOT / "configs" / "demo.yaml")]
+    for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
+              f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
+              "ray.include_dashboard=false"):
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    results = [json.loads(x) for x in
+               (tmp / "results" / "demo" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
+        (t, k) for t in tasks for k in range(2))
+    assert {r["status"] for r in results} == {"success"}, [
+        (r["task_id"], r["status"], r["error"]) for r in results]
+    assert all(r["desktop"].startswith("ctr-") for r in results)
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert left == [], "containers left running after the run"
