@@ -163,3 +163,49 @@ def test_the_demo_on_container_desktops(tmp, image):
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
                           capture_output=True, text=True, check=True).stdout.split()
     assert left == [], "containers left running after the run"
+
+
+def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, image):
+    """Every desktop container killed while episodes run on them: those episodes are
+    infra_errors retried on new containers, and the run completes with every episode."""
+    tasks = ["terminal-hello-file", "calc-add"]
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
+            str(REPO_ROOT / "configs" / "demo.yaml")]
+    for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
+              f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
+              "model.scripted_latency_s=1.0", "ray.include_dashboard=false"):
+        args += ["--set", s]
+    run_dir = tmp / "results" / "demo"
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
+    killed: list[str] = []
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not killed:
+            assert proc.poll() is None, "the run ended before its desktops were killed"
+            assert time.monotonic() < deadline
+            running = [p for p in run_dir.glob("*/*/*/traj.jsonl")
+                       if p.stat().st_size and not (p.parent / "result.txt").exists()]
+            if len(running) >= 2:  # both desktops are in the middle of an episode
+                killed = subprocess.run(
+                    ["podman", "ps", "-q", "--filter", "label=cua.desktop"],
+                    capture_output=True, text=True, check=True).stdout.split()
+                subprocess.run(["podman", "kill", *killed], capture_output=True, check=True)
+            time.sleep(0.2)
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGINT)
+            proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    results = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
+        (t, k) for t in tasks for k in range(2))
+    assert {r["status"] for r in results} == {"success"}
+    retried = [r for r in results if r["attempt"] > 0]
+    assert retried, results  # the killed episodes ran again ...
+    for r in retried:  # ... on another desktop than the one that died
+        assert len(r["desktops_tried"]) >= 2 and r["desktop"] != r["desktops_tried"][0]
+    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
+                          capture_output=True, text=True, check=True).stdout.split()
+    assert left == [], "containers left after the run"
