@@ -244,6 +244,7 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
 
     from agent_coordinator import AgentCoordinator
     from env_k8s import DesktopPool
+    from rollout.envs.pool import pool_actor_name
     from storage_actor import StorageActor
 
     node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
@@ -255,8 +256,9 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     ).remote(str(run_dir), cfg.storage)
     repaired = ray.get(storage.start_run.remote(
         run_info, rerun_infra_errors=cfg.tasks.rerun_infra_errors), timeout=_CALL_TIMEOUT_S)
-    pool = ray.remote(DesktopPool).options(
-        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+    pool = ray.remote(DesktopPool).options(  # named: scripts/desktops.py finds it
+        name=pool_actor_name(cfg.run.name), num_cpus=0, max_concurrency=concurrency,
+        scheduling_strategy=node,
     ).remote(cfg.desktops)
     actors = Actors(storage, pool, None)
     started = time.monotonic()
@@ -337,6 +339,8 @@ def run(cfg: Config) -> int:
         actors, _ = start_actors(cfg, run_dir, model_state_dir, {
             "run": cfg.run.name, "config": redact_urls(cfg.model_dump(mode="json")),
             "versions": _versions(), "host": platform.node(), "command": redact_urls(sys.argv),
+            # Where the run's actors are: scripts/desktops.py reaches the live pool there.
+            "ray_address": ray.get_runtime_context().gcs_address,
         })
         # Read results.jsonl after the storage repaired a line a crash may have cut. Tasks
         # that cannot be set up or scored here are reported and skipped now (pre-flight).

@@ -21,8 +21,9 @@ from rollout.envs.providers import make_provider
 from rollout.envs.providers.base import Desktop, DesktopProvider
 from rollout.envs.verify import DesktopVerifier
 from rollout.errors import DesktopError, DesktopUnavailable
+from rollout.http import redact_url
 
-__all__ = ["DesktopPool", "Lease"]
+__all__ = ["DesktopPool", "Lease", "pool_actor_name"]
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +31,12 @@ log = logging.getLogger(__name__)
 _HOUSEKEEPING_MAX_INTERVAL_S = 5.0
 # Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
 _RESET_WINDOW = 1000
+
+
+def pool_actor_name(run_name: str) -> str:
+    """The Ray actor name of a run's desktop pool (in the run's namespace): how
+    ``scripts/desktops.py`` finds a live run's desktops."""
+    return f"desktops:{run_name}"
 
 
 @dataclass(frozen=True)
@@ -219,6 +226,69 @@ class DesktopPool:
                 for d in self._desktops.values()
             ],
         }
+
+    # ----------------------------------------------------------------- operators
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every desktop as an operator sees it (``scripts/desktops.py status``): state,
+        holder and age of its lease, counts, last error, and the provider's record of it."""
+        now = time.time()
+        held = {lease.desktop_id: lease for lease in self._leases.values()}
+        rows = []
+        for d in self._desktops.values():
+            lease = held.get(d.id)
+            rows.append({
+                "id": d.id, "url": redact_url(d.url), "state": d.state,
+                "owner": lease.owner if lease else None,
+                "lease_id": lease.lease_id if lease else None,
+                "lease_age_s": (round(now - (lease.deadline - self.cfg.lease_max_s), 1)
+                                if lease else None),
+                "leases": d.leases, "failures": d.failures, "last_error": d.last_error,
+                "provider": {k: v for k, v in d.info.items() if k != "last_reset"},
+            })
+        return rows
+
+    async def release_desktop(self, desktop_id: str) -> str:
+        """An operator takes back the lease on ``desktop_id`` (a stuck episode's): the
+        desktop is quarantined, not reset, so the episode still on it fails at its next call
+        (an infrastructure error, retried elsewhere) instead of going on with a desktop reset
+        under it; a new desktop replaces it where the provider can. What was done, in words."""
+        lease = next((x for x in self._leases.values() if x.desktop_id == desktop_id), None)
+        if lease is None:
+            raise DesktopError(f"{desktop_id} is not leased ({self._state_of(desktop_id)})")
+        del self._leases[lease.lease_id]
+        self.counters["releases"] += 1
+        desktop = self._desktops[desktop_id]
+        desktop.failures += 1
+        await self._quarantine(desktop, f"lease of {lease.owner} taken back by an operator")
+        return (f"took back {desktop_id} from {lease.owner}; the desktop is quarantined"
+                + ("; a new desktop replaces it" if self.provider.replaceable else ""))
+
+    async def quarantine(self, desktop_id: str, reason: str = "quarantined by an operator"
+                         ) -> str:
+        """Take a desktop that is not leased out of service (replaced where the provider
+        can). What was done, in words."""
+        desktop = self._desktops.get(desktop_id)
+        if desktop is None:
+            raise DesktopError(f"no desktop {desktop_id} in this pool")
+        if desktop.state == "leased":
+            raise DesktopError(f"{desktop_id} is leased: release it first")
+        if desktop.state in ("quarantined", "stopped"):
+            return f"{desktop_id} is already {desktop.state}"
+        if desktop_id in self._free:
+            self._free.remove(desktop_id)
+        await self._quarantine(desktop, reason)
+        return (f"quarantined {desktop_id}" + ("; a new desktop replaces it"
+                                               if self.provider.replaceable else ""))
+
+    async def remove(self, desktop_id: str) -> str:
+        """Stop a desktop that is not leased for good and start another in its place (a
+        provider that cannot start desktops only takes it out of service)."""
+        return await self.quarantine(desktop_id, "removed by an operator")
+
+    def _state_of(self, desktop_id: str) -> str:
+        desktop = self._desktops.get(desktop_id)
+        return desktop.state if desktop else "not in this pool"
 
     # ----------------------------------------------------------------- internals
 

@@ -1,7 +1,8 @@
 """The layout's rules, checked on the source (docs/architecture.md): the design card's
 top-level files and what each exports, an ``__all__`` in every module, no private name
 imported across modules, no import cycle, no ``sys.path`` edits in product code, and the
-one-way edges (desktop/ imports nothing of the controller, scripts only the results library,
+one-way edges (desktop/ imports nothing of the controller, scripts only the results library
+(check_tasks.py and desktops.py also what they check or act on),
 benchmarks never tests/)."""
 
 from __future__ import annotations
@@ -168,7 +169,9 @@ def test_the_one_way_edges():
     # The results scripts read run directories only; check_tasks.py checks a task set the
     # way run.py's loader does, so it also uses the config, the loader and the pre-flight.
     allowed = {"check_tasks.py": ("config", "task_loader", "rollout.evaluation.preflight",
-                                  "rollout.errors")}
+                                  "rollout.errors"),
+               # The operator's desktop tool: the run's config and its desktops' providers.
+               "desktops.py": ("config", "rollout.envs", "rollout.errors", "rollout.files")}
     for path in ROOT.glob("scripts/*.py"):
         used = {_resolve(m) for m, _ in _imports(path, top_level_only=False)} - {None}
         ok = ("rollout.results", "rollout.layout", "rollout.types", *allowed.get(path.name, ()))
