@@ -27,6 +27,22 @@ def _tool(*args: str, sets: list[str]) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
 
 
+def _on_a_leased_desktop(command: str, expected: int, sets: list[str]
+                         ) -> subprocess.CompletedProcess[str]:
+    """``command`` on a desktop the status shows leased, until it exits ``expected`` (a lease
+    may end between the status and the command: then again with the one leased now)."""
+    for _ in range(5):
+        rows = json.loads(_tool("status", "--json", sets=sets).stdout)["desktops"]
+        leased = [r for r in rows if r["state"] == "leased"]
+        if not leased:
+            time.sleep(0.5)
+            continue
+        done = _tool(command, leased[0]["id"], sets=sets)
+        if done.returncode == expected:
+            return done
+    raise AssertionError(f"{command} on a leased desktop never exited {expected}")
+
+
 def test_status_quarantine_and_release_on_a_live_run(tmp):
     tasks = ["terminal-hello-file", "calc-add", "editor-append-line"]
     sets = [f"run.output_dir={tmp / 'results'}", f"run.name=tool-{tmp.name[-6:]}",
@@ -58,23 +74,12 @@ def test_status_quarantine_and_release_on_a_live_run(tmp):
 
         quarantined = _tool("quarantine", free["id"], sets=sets)
         assert quarantined.returncode == 0 and "replaces it" in quarantined.stdout, quarantined
-        # A leased desktop is not quarantined under its episode (its lease may have ended
-        # since the status was read: then ask again with the one leased now).
-        for _ in range(5):
-            now = json.loads(_tool("status", "--json", sets=sets).stdout)["desktops"]
-            leased = next((r for r in now if r["state"] == "leased"), leased)
-            refused = _tool("quarantine", leased["id"], sets=sets)
-            if refused.returncode == 1:
-                break
-        assert refused.returncode == 1 and "release it first" in refused.stderr, refused
-        # Taking back a leased desktop: its episode is retried on another one.
-        for _ in range(5):
-            now = json.loads(_tool("status", "--json", sets=sets).stdout)["desktops"]
-            leased = next((r for r in now if r["state"] == "leased"), leased)
-            released = _tool("release", leased["id"], sets=sets)
-            if released.returncode == 0:
-                break
-        assert released.returncode == 0 and "took back" in released.stdout, released
+        # A leased desktop is not quarantined under its episode ...
+        refused = _on_a_leased_desktop("quarantine", 1, sets)
+        assert "release it first" in refused.stderr, refused
+        # ... but its lease can be taken back: its episode is retried on another one.
+        released = _on_a_leased_desktop("release", 0, sets)
+        assert "took back" in released.stdout, released
         assert _tool("release", "no-such-desktop", sets=sets).returncode == 1
 
         table = _tool("status", sets=sets)
