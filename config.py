@@ -224,7 +224,12 @@ class ModelPoolConfig(_Section):
     gpu_ids: list[int] | None = None
     """GPUs to use (null: all that NVML / nvidia-smi report)."""
     host: str = "127.0.0.1"
-    """Bind address of the replicas."""
+    """Bind address of the replicas. A non-loopback address (runners on other nodes) needs
+    ``api_key_env``: a replica then refuses generations without the key."""
+    api_key_env: str | None = None
+    """The environment variable holding the key the replicas require on their ``/v1`` routes
+    (given to vLLM as ``VLLM_API_KEY``, never on its command line); the model client sends
+    the one ``model.api_key_env`` names."""
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 8100
     """Port of the first replica; others follow (a busy port is skipped)."""
     state_dir: Path = Path(".model_pool")
@@ -629,6 +634,15 @@ class Config(_Section):
                 f"model_pool.host {pool.host!r} is not loopback: set "
                 "model_pool.reload_in_place: false, or model_pool.dev_mode_on_network: true "
                 "on a trusted network")
+        if not _is_loopback(pool.host) and pool.api_key_env is None:
+            raise ValueError(
+                f"model_pool.host {pool.host!r} is reachable from other hosts: set "
+                "model_pool.api_key_env to the variable holding the key its replicas require "
+                "(and model.api_key_env for the client), or bind 127.0.0.1")
+        if pool.api_key_env is not None and self.model.api_key_env is None \
+                and not self.model.scripted:
+            raise ValueError("model_pool.api_key_env makes the replicas require a key: set "
+                             "model.api_key_env to the variable the model client reads it from")
         return self
 
     @property

@@ -20,7 +20,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from config import Config, ModelPoolConfig
+from config import Config, ModelPoolConfig, secret_from_env
 from rollout.errors import ConfigError
 from rollout.fleet.checkpoints import is_vision_language, max_positions
 from rollout.fleet.processes import API_SERVER_MODULE
@@ -208,4 +208,7 @@ def replica_env(pool: ModelPoolConfig, devices: str | None, tmp_dir: Path,
     if pool.reload_in_place:
         env["VLLM_SERVER_DEV_MODE"] = "1"
     env.update(pool.env)
+    key = secret_from_env(pool.api_key_env, "model_pool.api_key_env")
+    if key:
+        env["VLLM_API_KEY"] = key  # vLLM's --api-key, kept off the command line (ps shows it)
     return env

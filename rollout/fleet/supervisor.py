@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
-from config import ModelPoolConfig
+from config import ModelPoolConfig, secret_from_env
 from rollout.aio import TaskSet
 from rollout.errors import ConfigError, FleetError
 from rollout.files import DirectoryLock, LockHeld
@@ -179,6 +179,8 @@ class Supervisor:
             pool.replicas, pool.tensor_parallel_size, pool.gpu_ids,
             detect_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
+        # A key named but not set fails now, not at each replica's start.
+        secret_from_env(pool.api_key_env, "model_pool.api_key_env")
         self.shape = shape  # the run's requests: a vision-language replica's limits
         if self.checkpoint:  # a checkpoint no replica could serve fails now, not per start
             check_checkpoint(pool, self.checkpoint, self.devices[0] if self.devices else None,

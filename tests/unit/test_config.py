@@ -81,6 +81,7 @@ model_pool:
   cpu_threads_per_replica: 2
   cpu_enforce_eager: false
   max_model_len: 16384
+  api_key_env: POOL_KEY
   vlm_cpu_site: /opt/vlm-site
   start_with_run: false
 desktops:
@@ -271,8 +272,9 @@ def test_vllm_dev_mode_is_refused_on_a_network_host_unless_allowed(tmp_path):
     with pytest.raises(ConfigError, match="not loopback"):  # dev mode asked through env
         load_config(write(tmp_path, "model_pool: {host: 0.0.0.0, reload_in_place: false, "
                                     "env: {VLLM_SERVER_DEV_MODE: '1'}}"))
-    for allowed in ("model_pool: {host: 0.0.0.0, reload_in_place: false}",
-                    "model_pool: {host: 0.0.0.0, dev_mode_on_network: true}",
+    key = "api_key_env: K}, model: {api_key_env: K"  # a network host needs a key (below)
+    for allowed in (f"{{model_pool: {{host: 0.0.0.0, reload_in_place: false, {key}}}}}",
+                    f"{{model_pool: {{host: 0.0.0.0, dev_mode_on_network: true, {key}}}}}",
                     "model_pool: {host: '::1'}", "model_pool: {host: localhost}",
                     "model_pool: {host: 127.0.0.2}"):
         load_config(write(tmp_path, allowed))

@@ -135,3 +135,29 @@ def test_config_rules_of_the_vlm_settings():
                                "model_pool": {"start_with_run": True, "checkpoint": "x"}})
     # The parser's defaults are the model settings' defaults.
     assert (Config().model.min_pixels, Config().model.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
+
+
+def test_a_replica_key_goes_to_its_environment_never_its_command_line(tmp, monkeypatch):
+    ckpt = _checkpoint(tmp / "text", vision=False)
+    monkeypatch.setenv("POOL_TEST_KEY", "sk-pool-secret")
+    pool = ModelPoolConfig(api_key_env="POOL_TEST_KEY")
+    cmd = replica_command(pool, "m", ckpt, 8100, None, _shape())
+    assert "sk-pool-secret" not in " ".join(cmd) and "--api-key" not in cmd
+    assert replica_env(pool, None, tmp / "t", ckpt)["VLLM_API_KEY"] == "sk-pool-secret"
+    assert "VLLM_API_KEY" not in replica_env(ModelPoolConfig(), None, tmp / "t", ckpt) or \
+        replica_env(ModelPoolConfig(), None, tmp / "t", ckpt)["VLLM_API_KEY"] != "sk-pool-secret"
+    monkeypatch.delenv("POOL_TEST_KEY")
+    with pytest.raises(ConfigError, match=r"model_pool\.api_key_env names \$POOL_TEST_KEY"):
+        replica_env(pool, None, tmp / "t", ckpt)
+
+
+def test_replicas_reachable_from_other_hosts_need_a_key():
+    with pytest.raises(ValueError, match=r"model_pool\.host '0\.0\.0\.0' is reachable"):
+        Config.model_validate({"model_pool": {"host": "0.0.0.0", "reload_in_place": False}})
+    with pytest.raises(ValueError, match=r"set model\.api_key_env"):
+        Config.model_validate({"model_pool": {"host": "0.0.0.0", "reload_in_place": False,
+                                              "api_key_env": "K"}})
+    cfg = Config.model_validate({"model_pool": {"host": "0.0.0.0", "reload_in_place": False,
+                                                "api_key_env": "K"},
+                                 "model": {"api_key_env": "K"}})
+    assert cfg.model_pool.api_key_env == "K"
