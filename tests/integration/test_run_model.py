@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psutil
 import pytest
 
@@ -50,6 +51,9 @@ from tests.support import REPO_ROOT, unavailable
 ROOT = REPO_ROOT
 RUN_MODEL = ROOT / "run_model.py"
 MODEL_NAME = "tiny"
+# The replicas require a key (model_pool.api_key_env): every client here sends it.
+POOL_KEY_VAR = "CUA_TEST_POOL_KEY"
+os.environ.setdefault(POOL_KEY_VAR, f"sk-test-{random.Random().getrandbits(64):x}")
 # Deadlines are generous: this machine has 2 cores and other suites run beside this one.
 START_TIMEOUT_S = 420.0
 RESTART_TIMEOUT_S = 300.0
@@ -96,7 +100,8 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5) ->
 
 def client_cfg(**kw: Any) -> ModelConfig:
     base: dict[str, Any] = dict(
-        name=MODEL_NAME, endpoints=[], retries=10, backoff_initial_s=0.2, backoff_max_s=2.0,
+        name=MODEL_NAME, endpoints=[], api_key_env=POOL_KEY_VAR, retries=10,
+        backoff_initial_s=0.2, backoff_max_s=2.0,
         request_timeout_s=120.0, connect_timeout_s=5.0, reprobe_interval_s=1.0,
         sampling=SamplingConfig(max_tokens=8, temperature=0.7),
     )
@@ -395,9 +400,10 @@ def pool(models: Models, tmp_path_factory) -> Pool:
     base_port = random.Random().randrange(20000, 40000, 10)
     config = work / "config.yaml"
     config.write_text(json.dumps({
-        "model": {"name": MODEL_NAME},
+        "model": {"name": MODEL_NAME, "api_key_env": POOL_KEY_VAR},
         "model_pool": {
             "checkpoint": str(models.first),
+            "api_key_env": POOL_KEY_VAR,
             "replicas": 2,
             "base_port": base_port,
             "state_dir": str(state_dir),
@@ -480,6 +486,23 @@ def test_supervisor_publishes_healthy_replicas_and_status(pool: Pool):
 
 
 @pytest.mark.integration
+def test_replicas_refuse_generations_without_the_key(pool: Pool):
+    """model_pool.api_key_env: the key reaches vLLM (VLLM_API_KEY), not its command line."""
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 2}
+    for e in pool.endpoints():
+        url = e["url"]
+        assert httpx.post(url + "/v1/chat/completions", json=body, timeout=60).status_code == 401
+        wrong = {"Authorization": "Bearer sk-wrong"}
+        assert httpx.post(url + "/v1/chat/completions", json=body, headers=wrong,
+                          timeout=60).status_code == 401
+        right = {"Authorization": f"Bearer {os.environ[POOL_KEY_VAR]}"}
+        assert httpx.post(url + "/v1/chat/completions", json=body, headers=right,
+                          timeout=120).status_code == 200
+        assert httpx.get(url + "/health", timeout=30).status_code == 200  # probes need none
+        cmdline = " ".join(psutil.Process(e["pid"]).cmdline())
+        assert os.environ[POOL_KEY_VAR] not in cmdline
+
+
 async def test_pool_routes_requests_to_both_replicas(pool: Pool):
     version = checkpoint_version(str(pool.models.first))
     client = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
