@@ -14,12 +14,14 @@ Exit codes: 0 done, 1 a fatal setup error (one line says why), 2 a bad config or
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import platform
 import signal
 import sys
 import time
+import uuid
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import metadata
@@ -256,10 +258,15 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     ).remote(str(run_dir), cfg.storage)
     repaired = ray.get(storage.start_run.remote(
         run_info, rerun_infra_errors=cfg.tasks.rerun_infra_errors), timeout=_CALL_TIMEOUT_S)
-    pool = ray.remote(DesktopPool).options(  # named: scripts/desktops.py finds it
-        name=pool_actor_name(cfg.run.name), num_cpus=0, max_concurrency=concurrency,
-        scheduling_strategy=node,
-    ).remote(cfg.desktops)
+    # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
+    # earlier run of the same name not yet collected) gets a suffix the tool also finds.
+    name = pool_actor_name(cfg.run.name)
+    pool_options = dict(num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node)
+    try:
+        pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(cfg.desktops)
+    except ValueError:  # ray.exceptions.ActorAlreadyExistsError
+        pool = ray.remote(DesktopPool).options(
+            name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
     actors = Actors(storage, pool, None)
     started = time.monotonic()
     try:
@@ -290,6 +297,8 @@ def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> 
             ray.get(method.remote(), timeout=timeout_s)
         except Exception as exc:  # the run's files must still be closed
             log.error("%s failed: %s", what, _cause(exc))
+    with contextlib.suppress(Exception):  # its desktops are stopped: free its name now
+        ray.kill(actors.pool, no_restart=True)
     try:
         ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
         ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)

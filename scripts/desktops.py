@@ -49,10 +49,16 @@ def _live_pool(cfg: Config) -> Any | None:
                  log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError):
         return None
-    try:
-        return ray.get_actor(pool_actor_name(cfg.run.name))
-    except ValueError:
-        return None
+    name = pool_actor_name(cfg.run.name)
+    # run.py adds a suffix when the name was still held in the cluster.
+    names = sorted(n for n in ray.util.list_named_actors()  # this namespace's, as names
+                   if n == name or n.startswith(name + "#"))
+    for found in names:
+        try:
+            return ray.get_actor(found)
+        except ValueError:
+            continue
+    return None
 
 
 def _offline_rows(cfg: Config) -> list[dict[str, Any]]:

@@ -492,7 +492,7 @@ def test_the_scripts_use_the_package_not_sys_path():
     for script in sorted(SCRIPTS.glob("*.py")):
         text = script.read_text()
         assert "sys.path" not in text, script.name
-        if script.name != "check_tasks.py":  # checks task sets, not results
+        if script.name not in ("check_tasks.py", "desktops.py"):  # not about results
             assert "from rollout.results import" in text, script.name
     assert not (SCRIPTS / "results_io.py").exists()
 
