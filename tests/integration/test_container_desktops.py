@@ -166,15 +166,20 @@ def test_the_demo_on_container_desktops(tmp, image):
 
 
 def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, image):
-    """Every desktop container killed while episodes run on them: those episodes are
-    infra_errors retried on new containers, and the run completes with every episode."""
+    """The desktop containers killed while episodes have just started on them (the run's
+    leases, as scripts/desktops.py shows them): those episodes are infra_errors retried on new
+    containers, and the run completes with every episode."""
     tasks = ["terminal-hello-file", "calc-add"]
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
-            str(REPO_ROOT / "configs" / "demo.yaml")]
-    for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
-              f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
-              "model.scripted_latency_s=1.0", "ray.include_dashboard=false"):
+    sets = [f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
+            f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
+            "model.scripted_latency_s=1.5", "ray.include_dashboard=false"]
+    demo = str(REPO_ROOT / "configs" / "demo.yaml")
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", demo]
+    status = [sys.executable, str(REPO_ROOT / "scripts" / "desktops.py"), "status", "--json",
+              "--config", demo]
+    for s in sets:
         args += ["--set", s]
+        status += ["--set", s]
     run_dir = tmp / "results" / "demo"
     proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
@@ -184,14 +189,16 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
         while not killed:
             assert proc.poll() is None, "the run ended before its desktops were killed"
             assert time.monotonic() < deadline
-            running = [p for p in run_dir.glob("*/*/*/traj.jsonl")
-                       if p.stat().st_size and not (p.parent / "result.txt").exists()]
-            if len(running) >= 2:  # both desktops are in the middle of an episode
-                killed = subprocess.run(
-                    ["podman", "ps", "-q", "--filter", "label=cua.desktop"],
-                    capture_output=True, text=True, check=True).stdout.split()
-                subprocess.run(["podman", "kill", *killed], capture_output=True, check=True)
-            time.sleep(0.2)
+            done = subprocess.run(status, cwd=REPO_ROOT, capture_output=True, text=True)
+            rows = json.loads(done.stdout)["desktops"] if done.returncode == 0 else []
+            fresh = [r["id"] for r in rows
+                     if r["state"] == "leased" and (r["lease_age_s"] or 99) < 4]
+            for desktop in fresh:  # episodes that have just started on these
+                ids = subprocess.run(["podman", "ps", "-q", "--filter",
+                                      f"label=cua.desktop={desktop}"],
+                                     capture_output=True, text=True, check=True).stdout.split()
+                subprocess.run(["podman", "kill", *ids], capture_output=True, check=False)
+                killed += ids
         _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
     finally:
         if proc.poll() is None:
@@ -203,7 +210,7 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
         (t, k) for t in tasks for k in range(2))
     assert {r["status"] for r in results} == {"success"}
     retried = [r for r in results if r["attempt"] > 0]
-    assert retried, results  # the killed episodes ran again ...
+    assert retried, [(r["episode_id"], r["desktop"], r["attempt"]) for r in results]
     for r in retried:  # ... on another desktop than the one that died
         assert len(r["desktops_tried"]) >= 2 and r["desktop"] != r["desktops_tried"][0]
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
