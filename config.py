@@ -7,7 +7,6 @@ never in the YAML: the config names the environment variables that hold them.
 from __future__ import annotations
 
 import argparse
-import ipaddress
 import os
 import sys
 import types
@@ -19,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from rollout.errors import ConfigError
+from rollout.http import is_loopback
 
 __all__ = [
     "LEASE_MARGIN_S",
@@ -158,7 +158,15 @@ class ModelConfig(_Section):
     """Coordinate convention of the replies (1.5: pixels of the resized image; 1.0: 0..1000)."""
     endpoints: list[str] = []
     """Base URLs of OpenAI-compatible servers you already run (``http://host:8000``).
-    Empty: use ``run_model.py``'s state file under ``model_pool.state_dir``."""
+    Empty: the endpoints ``run_model.py`` publishes (``endpoints_url``, else its state file
+    under ``model_pool.state_dir``)."""
+    endpoints_url: str | None = None
+    """The endpoint list of a ``run_model.py`` on another machine, from its control server:
+    ``http://HOST:PORT/endpoints`` (``model_pool.host`` and ``model_pool.control_port`` of
+    that pool; ``run_model.py status`` prints it). Read with the key ``api_key_env`` names
+    and re-read every second, so drivers and runners need no shared filesystem. Null: when
+    the pool of ``model_pool.state_dir`` serves on a network address, ``run.py`` points the
+    runners at its control server by itself; else they read its ``endpoints.json``."""
     scripted: bool = False
     """Serve the built-in scripted UI-TARS policy in-process instead (demo and tests, no GPU)."""
     scripted_error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
@@ -230,6 +238,11 @@ class ModelPoolConfig(_Section):
     """The environment variable holding the key the replicas require on their ``/v1`` routes
     (given to vLLM as ``VLLM_API_KEY``, never on its command line); the model client sends
     the one ``model.api_key_env`` names."""
+    control_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    """Port of the pool's control server (``/status``, ``/reload``, and ``/endpoints``, the
+    endpoint list for clients that cannot read ``state_dir``), bound on ``host``. 0: a free
+    port, written to ``control.json``; fix it when clients elsewhere use
+    ``model.endpoints_url``."""
     base_port: Annotated[int, Field(ge=1024, le=65535)] = 8100
     """Port of the first replica; others follow (a busy port is skipped)."""
     state_dir: Path = Path(".model_pool")
@@ -305,6 +318,10 @@ class LocalDesktopsConfig(_Section):
     """Directory copied into each fresh HOME at reset (null: an empty HOME)."""
     start_timeout_s: PositiveFloat = 60.0
     """Deadline for a desktop to become healthy."""
+    host: str = "127.0.0.1"
+    """Bind address of the desktops' servers. Runners on other nodes reach local desktops
+    only through an address of the node that starts them (``desktops.node``) or ``0.0.0.0``;
+    ``desktops.token_env`` is then required."""
 
 
 class ContainerDesktopsConfig(_Section):
@@ -415,6 +432,10 @@ class DesktopsConfig(_Section):
 
     provider: Literal["local", "static", "container", "kubernetes"] = "local"
     """Where desktops come from."""
+    node: str | None = None
+    """The Ray node that runs the desktop pool, and so starts ``local`` desktops and runs
+    the ``container`` engine's CLI: its IP address as Ray reports it (``ray.nodes()``'s
+    ``NodeManagerAddress``, ``ray status``) or its node id. Null: the driver's node."""
     count: PositiveInt = 2
     """Desktops in the pool (for ``static``: taken from ``static.urls`` when unset)."""
     warm_spares: Annotated[int, Field(ge=0)] = 1
@@ -476,6 +497,19 @@ class DesktopsConfig(_Section):
     """Settings of the ``container`` provider."""
     kubernetes: KubernetesDesktopsConfig = KubernetesDesktopsConfig()
     """Settings of the ``kubernetes`` provider."""
+
+    @model_validator(mode="after")
+    def _token_beyond_loopback(self) -> DesktopsConfig:
+        # A desktop runs any code it is sent: beyond this host, only for who holds the token.
+        key, host = {"local": ("local.host", self.local.host),
+                     "container": ("container.publish_host", self.container.publish_host),
+                     }.get(self.provider, (None, "127.0.0.1"))
+        if self.token_env is None and not is_loopback(host):
+            raise ValueError(
+                f"desktops.{key} {host!r} is reachable from other hosts: set "
+                "desktops.token_env to the variable holding the desktops' bearer token (a "
+                "desktop runs any code it is sent)")
+        return self
 
 
 class EvaluationConfig(_Section):
@@ -595,12 +629,19 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
-        if self.model.scripted and self.model.endpoints:
-            raise ValueError("model.scripted and model.endpoints exclude each other; set one")
+        sources = [k for k, v in (("model.scripted", self.model.scripted),
+                                  ("model.endpoints", self.model.endpoints),
+                                  ("model.endpoints_url", self.model.endpoints_url)) if v]
+        if len(sources) > 1:
+            raise ValueError(f"{' and '.join(sources)} exclude each other; set one")
+        if self.model.endpoints_url is not None and not self.model.endpoints_url.startswith(
+                ("http://", "https://")):
+            raise ValueError(f"model.endpoints_url {self.model.endpoints_url!r} is not an "
+                             "http(s) URL (http://HOST:PORT/endpoints)")
         if self.model_pool.start_with_run:
-            if self.model.scripted or self.model.endpoints:
+            if sources:
                 raise ValueError("model_pool.start_with_run starts the run's own model pool; "
-                                 "it excludes model.scripted and model.endpoints")
+                                 f"it excludes {sources[0]}")
             if not self.model_pool.checkpoint:
                 raise ValueError("model_pool.start_with_run needs model_pool.checkpoint")
         if self.model.constrain_actions:
@@ -627,14 +668,14 @@ class Config(_Section):
         pool = self.model_pool
         dev_mode = pool.reload_in_place or pool.env.get("VLLM_SERVER_DEV_MODE", "0") not in (
             "", "0")
-        if dev_mode and not pool.dev_mode_on_network and not _is_loopback(pool.host):
+        if dev_mode and not pool.dev_mode_on_network and not is_loopback(pool.host):
             raise ValueError(
                 f"model_pool.reload_in_place (or env VLLM_SERVER_DEV_MODE) starts vLLM's "
                 f"unauthenticated dev endpoints, and "
                 f"model_pool.host {pool.host!r} is not loopback: set "
                 "model_pool.reload_in_place: false, or model_pool.dev_mode_on_network: true "
                 "on a trusted network")
-        if not _is_loopback(pool.host) and pool.api_key_env is None:
+        if not is_loopback(pool.host) and pool.api_key_env is None:
             raise ValueError(
                 f"model_pool.host {pool.host!r} is reachable from other hosts: set "
                 "model_pool.api_key_env to the variable holding the key its replicas require "
@@ -652,15 +693,6 @@ class Config(_Section):
 
 
 # --------------------------------------------------------------------------- secrets
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a host name other than localhost: not provably loopback
-        return False
 
 
 def secret_from_env(var_name: str | None, key_path: str) -> str | None:

@@ -208,9 +208,12 @@ class OutageStatus:
 class ModelServicePool:
     """Routes ``generate`` calls over the live endpoints, with retries and ejection.
 
-    Endpoints come from ``cfg.endpoints`` or, when that is empty, from run_model.py's
-    ``endpoints.json`` in ``state_dir``, re-read whenever it changes. Create one per process
-    (one per runner actor); it opens its HTTP client on the running loop at first use.
+    Endpoints come from ``cfg.endpoints``; else from run_model.py's endpoint list: over HTTP
+    from its control server (``cfg.endpoints_url``, asked every second with its ETag, so an
+    unchanged list costs a 304), or from ``endpoints.json`` in ``state_dir``, re-read whenever
+    it changes. While the list cannot be read, the last one read is kept. Create one per
+    process (one per runner actor); it opens its HTTP clients on the running loop at first
+    use.
     """
 
     def __init__(
@@ -228,18 +231,24 @@ class ModelServicePool:
         self._clock = clock
         self._api_key = secret_from_env(cfg.api_key_env, "model.api_key_env")
         self._endpoints: dict[str, Endpoint] = {}
+        self._state_url = None if cfg.endpoints else cfg.endpoints_url
         self._state_file = (
-            Path(state_dir) / ENDPOINTS_FILE if not cfg.endpoints and state_dir else None
+            Path(state_dir) / ENDPOINTS_FILE
+            if not cfg.endpoints and self._state_url is None and state_dir else None
         )
         self._state_mtime_ns: int | None = None
         self._state_checked_at = float("-inf")
+        self._state_etag: str | None = None
+        self._state_error: str | None = None   # why the list could not be read last time
+        self._state_client: httpx2.AsyncClient | None = None
+        self._state_watch: asyncio.Task[None] | None = None
         if cfg.endpoints:
             for url in cfg.endpoints:
                 self._endpoints[url.rstrip("/")] = Endpoint(url.rstrip("/"))
-        elif self._state_file is None:
+        elif self._state_file is None and self._state_url is None:
             raise ModelUnavailable(
-                "no model endpoints: set model.endpoints, model.scripted, or run run_model.py "
-                "and point model_pool.state_dir at its state"
+                "no model endpoints: set model.endpoints, model.endpoints_url, model.scripted, "
+                "or run run_model.py and point model_pool.state_dir at its state"
             )
         self._clients: dict[str, httpx2.AsyncClient] = {}  # endpoint URL -> its client
         self._closing: set[asyncio.Task[None]] = set()
@@ -274,6 +283,7 @@ class ModelServicePool:
         ``ModelUnavailable`` with ``outage`` set means no endpoint was there to answer (none
         live, or every attempt was refused or dropped): the caller waits with
         ``wait_until_live`` instead of counting it against the episode."""
+        await self._watch_state_url()
         body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling,
                                  regex)
         content = RequestBody(body)  # serialised once, whatever the retries
@@ -289,9 +299,11 @@ class ModelServicePool:
                 ))
             endpoint = self._pick(session_id, avoid=tried)
             if endpoint is None:
+                listed = (f"; the endpoint list is not readable: {self._state_error}"
+                          if self._state_error else "")
                 raise ModelUnavailable(f"no model endpoint is serving ({self.outage_status()})"
-                                       + (f"; last error: {last_error}" if attempt else ""),
-                                       outage=True)
+                                       + (f"; last error: {last_error}" if attempt else "")
+                                       + listed, outage=True)
             tried.add(endpoint.url)
             try:
                 if least_tokens is not None:
@@ -336,6 +348,8 @@ class ModelServicePool:
         first); those answering 200 are routed to again, the others taken out."""
         self._state_checked_at = float("-inf")
         self._refresh_from_state_file()
+        if self._state_url is not None:
+            await self._read_state_url()
         candidates = [e for e in self._endpoints.values() if not e.draining]
         answers = await asyncio.gather(*(self._healthy(e) for e in candidates))
         for endpoint, ok in zip(candidates, answers, strict=True):
@@ -378,13 +392,16 @@ class ModelServicePool:
         return sum(e.outstanding for e in self._endpoints.values())
 
     async def close(self) -> None:
-        for task in (self._reprobe_task, self._outage_watch):
+        for task in (self._reprobe_task, self._outage_watch, self._state_watch):
             if task is not None:
                 task.cancel()
                 with contextlib.suppress(asyncio.CancelledError):
                     await task
-        self._reprobe_task = self._outage_watch = None
+        self._reprobe_task = self._outage_watch = self._state_watch = None
         clients, self._clients = list(self._clients.values()), {}
+        if self._state_client is not None:
+            clients.append(self._state_client)
+            self._state_client = None
         await asyncio.gather(*(c.aclose() for c in clients), *self._closing,
                              return_exceptions=True)
 
@@ -551,13 +568,65 @@ class ModelServicePool:
         if mtime == self._state_mtime_ns:
             return
         try:
-            state = json.loads(self._state_file.read_text())
-            entries = state["endpoints"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
+            entries = _endpoint_entries(json.loads(self._state_file.read_text()))
+        except (OSError, ValueError) as exc:
             # run_model.py writes atomically, so this is a foreign or broken file.
             log.error("cannot read %s: %s", self._state_file, exc)
             return
         self._state_mtime_ns = mtime
+        self._apply_state(entries)
+
+    async def _watch_state_url(self) -> None:
+        """With ``endpoints_url``: the list read once before the first request, then
+        re-read every second in the background by one task of this process."""
+        if self._state_url is None or (self._state_watch is not None
+                                       and not self._state_watch.done()):
+            return
+        if self._state_etag is None:
+            await self._read_state_url()
+        self._state_watch = asyncio.get_running_loop().create_task(self._state_url_loop())
+
+    async def _state_url_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_STATE_CHECK_INTERVAL_S)
+            await self._read_state_url()
+
+    async def _read_state_url(self) -> None:
+        """``GET endpoints_url`` (304 when unchanged). A failure keeps the list read last
+        (held endpoints keep serving while the control server is away) and is logged once."""
+        assert self._state_url is not None
+        if self._state_client is None:
+            headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+            self._state_client = httpx2.AsyncClient(
+                timeout=httpx2.Timeout(self.cfg.connect_timeout_s), headers=headers,
+                verify=ssl_context())
+        where = redact_url(self._state_url)
+        try:
+            r = await self._state_client.get(
+                self._state_url,
+                headers={"If-None-Match": self._state_etag} if self._state_etag else None)
+            if r.status_code == 304:
+                error = None
+            elif r.status_code != 200:
+                error = f"{where}: HTTP {r.status_code}: {error_text(r)}"
+            else:
+                entries = _endpoint_entries(r.json())
+                self._state_etag = r.headers.get("etag")
+                self._apply_state(entries)
+                error = None
+        except httpx2.HTTPError as exc:
+            error = f"{where}: {type(exc).__name__}: {exc}"
+        except ValueError as exc:
+            error = f"{where}: not an endpoint list: {exc}"
+        if error and error != self._state_error:
+            log.warning("cannot read the model endpoint list (keeping the last one read, "
+                        "%d endpoints): %s", len(self._endpoints), error)
+        elif error is None and self._state_error:
+            log.info("the model endpoint list at %s is readable again", where)
+        self._state_error = error
+
+    def _apply_state(self, entries: list[dict[str, Any]]) -> None:
+        """Route to the endpoints of a published list (``endpoints.json``'s schema)."""
         seen = set()
         for entry in entries:
             url = str(entry["url"]).rstrip("/")
@@ -577,6 +646,16 @@ class ModelServicePool:
                     task = asyncio.get_running_loop().create_task(client.aclose())
                     self._closing.add(task)
                     task.add_done_callback(self._closing.discard)
+
+
+def _endpoint_entries(state: Any) -> list[dict[str, Any]]:
+    """The endpoints of a published list (``endpoints.json`` or ``GET /endpoints``);
+    ``ValueError`` naming what is wrong when it is not one."""
+    entries = state.get("endpoints") if isinstance(state, dict) else None
+    if not isinstance(entries, list) or not all(
+            isinstance(e, dict) and isinstance(e.get("url"), str) for e in entries):
+        raise ValueError("expected {\"endpoints\": [{\"url\": ...}, ...]}")
+    return entries
 
 
 # Stands in for a data URL while the rest of a body is serialised; letters, digits and

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from config import Config, add_config_arguments, config_from_args
 from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
@@ -34,7 +35,7 @@ from rollout.evaluation.preflight import TaskChecker
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.child import PoolChild
 from rollout.fleet.state import ENDPOINTS_FILE
-from rollout.http import redact_urls
+from rollout.http import error_text, is_loopback, redact_url, redact_urls
 from rollout.layout import RUN_LOCK_FILE
 from rollout.progress import Progress
 from rollout.types import SCORED_STATUSES
@@ -153,16 +154,47 @@ def _probe_endpoints(cfg: Config) -> None:
     raise FatalSetupError("no model endpoint answers: " + "; ".join(errors))
 
 
-def _model_state_dir(cfg: Config) -> str | None:
+def _published_endpoints(cfg: Config) -> tuple[Config, str | None]:
+    """Where the runners read run_model.py's endpoint list: ``model.endpoints_url`` (checked
+    now), else the state dir's ``endpoints.json`` (its path is returned), unless that pool's
+    control server is on a network address: runners on other nodes then read the list from
+    it (the config returned names it), with no filesystem shared."""
+    import httpx
+
+    from config import secret_from_env
+    from rollout.fleet.control import ENDPOINTS_PATH, ControlClient
+
     if cfg.model.endpoints:
-        return None
-    state = Path(cfg.model_pool.state_dir).resolve()
-    if not (state / ENDPOINTS_FILE).is_file():
+        return cfg, None
+    url = cfg.model.endpoints_url
+    if url is None:
+        state = Path(cfg.model_pool.state_dir).resolve()
+        if not (state / ENDPOINTS_FILE).is_file():
+            raise FatalSetupError(
+                f"no model endpoints: model.endpoints is empty and {state / ENDPOINTS_FILE} "
+                "does not exist (start `python run_model.py serve --config C`, list servers "
+                "in model.endpoints or model.endpoints_url, or set model.scripted: true)")
+        control = ControlClient.find(state, _ENDPOINT_PROBE_TIMEOUT_S)
+        host = urlsplit(control.url).hostname if control is not None else None
+        if host is None or is_loopback(host):
+            return cfg, str(state)
+        url = control.url + ENDPOINTS_PATH  # type: ignore[union-attr]
+        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
+            update={"endpoints_url": url})})
+    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
+    try:
+        r = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {},
+                      timeout=_ENDPOINT_PROBE_TIMEOUT_S)
+        listed = r.json().get("endpoints") if r.status_code == 200 else None
+    except (httpx.HTTPError, ValueError, AttributeError) as exc:
+        raise FatalSetupError(f"model.endpoints_url {redact_url(url)}: cannot read the "
+                              f"endpoint list ({type(exc).__name__}: {exc})") from None
+    if not isinstance(listed, list):
         raise FatalSetupError(
-            f"no model endpoints: model.endpoints is empty and {state / ENDPOINTS_FILE} does "
-            "not exist (start `python run_model.py serve --config C`, list servers in "
-            "model.endpoints, or set model.scripted: true)")
-    return str(state)
+            f"model.endpoints_url {redact_url(url)}: HTTP {r.status_code}: "
+            f"{error_text(r) if r.status_code != 200 else 'not an endpoint list'}"
+            + (" (model.api_key_env must name the pool's key)" if r.status_code == 401 else ""))
+    return cfg, None
 
 
 def _absolute_paths(cfg: Config) -> Config:
@@ -238,9 +270,10 @@ class Actors:
 
 def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
                  run_info: dict[str, Any]) -> tuple[Actors, dict[str, Any]]:
-    """Storage, desktop pool and coordinator on this node (local desktops have loopback
-    URLs); runners are started by the coordinator, spread over the cluster. Returns the
-    actors and what the storage repaired in results.jsonl. Ray must be initialised."""
+    """Storage and coordinator on this node, the desktop pool on ``desktops.node`` (by
+    default this one too; local desktops start there); runners are started by the
+    coordinator, spread over the cluster. Returns the actors and what the storage repaired
+    in results.jsonl. Ray must be initialised."""
     import ray
     import ray.util.scheduling_strategies
 
@@ -251,6 +284,7 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
 
     node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
         ray.get_runtime_context().get_node_id(), soft=False)
+    desktops_node = _desktops_node(cfg) or node
     # Every episode may have a lease, a storage write and a statistics call waiting at once.
     concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
     storage = ray.remote(StorageActor).options(
@@ -261,7 +295,8 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
     # earlier run of the same name not yet collected) gets a suffix the tool also finds.
     name = pool_actor_name(cfg.run.name)
-    pool_options = dict(num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node)
+    pool_options = dict(num_cpus=0, max_concurrency=concurrency,
+                        scheduling_strategy=desktops_node)
     try:
         pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(cfg.desktops)
     except ValueError:  # ray.exceptions.ActorAlreadyExistsError
@@ -281,6 +316,33 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     ).remote(cfg, pool, storage, model_state_dir)
     ray.get(actors.coordinator.start.remote(), timeout=_CALL_TIMEOUT_S)
     return actors, repaired
+
+
+def _desktops_node(cfg: Config) -> Any:
+    """The scheduling strategy pinning the desktop pool to ``desktops.node`` (None: unset).
+    Warns when desktops bound to loopback serve a cluster of several nodes."""
+    import ray
+    import ray.util.scheduling_strategies
+
+    alive = [n for n in ray.nodes() if n.get("Alive")]
+    host = {"local": cfg.desktops.local.host,
+            "container": cfg.desktops.container.publish_host}.get(cfg.desktops.provider)
+    if host is not None and is_loopback(host) and len(
+            {n["NodeManagerAddress"] for n in alive}) > 1:
+        log.warning("desktops.provider %s binds %s, but the cluster has nodes at other "
+                    "addresses: their runners cannot reach these desktops (set %s)",
+                    cfg.desktops.provider, host, "desktops.local.host"
+                    if cfg.desktops.provider == "local" else "desktops.container.publish_host")
+    wanted = cfg.desktops.node
+    if wanted is None:
+        return None
+    for n in alive:
+        if wanted in (n["NodeID"], n["NodeManagerAddress"]):
+            return ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
+                n["NodeID"], soft=False)
+    nodes = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]})" for n in alive)
+    raise FatalSetupError(f"desktops.node {wanted!r} is not a live node of this cluster "
+                          f"(live: {nodes})")
 
 
 def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> None:
@@ -335,12 +397,12 @@ def run(cfg: Config) -> int:
         elif not cfg.model.scripted:
             if cfg.model.endpoints:
                 _probe_endpoints(cfg)
-            model_state_dir = _model_state_dir(cfg)
+            cfg, model_state_dir = _published_endpoints(cfg)
         if _start_ray(cfg):
             stack.callback(ray.shutdown)
         if pool is not None:
             pool.wait_ready()
-            model_state_dir = _model_state_dir(cfg)
+            cfg, model_state_dir = _published_endpoints(cfg)
         if cfg.model.scripted:
             url = _scripted_endpoint(cfg, stack)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(

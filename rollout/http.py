@@ -6,14 +6,43 @@ ASGI app from a thread."""
 from __future__ import annotations
 
 import functools
+import ipaddress
 import json
 import re
+import socket
 import ssl
 import threading
 import time
 from typing import Any
 
-__all__ = ["ThreadedServer", "error_text", "redact_url", "redact_urls", "ssl_context"]
+__all__ = [
+    "ThreadedServer",
+    "error_text",
+    "is_loopback",
+    "reachable_host",
+    "redact_url",
+    "redact_urls",
+    "ssl_context",
+]
+
+_WILDCARDS = ("0.0.0.0", "::", "")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to ``host`` is reachable from this machine only (a name other
+    than ``localhost`` counts as reachable from elsewhere)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def reachable_host(host: str) -> str:
+    """Where others reach a server bound to ``host``, as a URL's host: a wildcard bind is
+    reached by this machine's name, an IPv6 address in brackets."""
+    if host in _WILDCARDS:
+        return socket.getfqdn()
+    return f"[{host}]" if ":" in host else host
 
 
 @functools.cache
@@ -78,8 +107,7 @@ class ThreadedServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        return f"http://{reachable_host(self.host)}:{self.port}"
 
     def start(self, timeout_s: float = 10.0) -> ThreadedServer:
         import uvicorn

@@ -87,3 +87,31 @@ async def release_and_check(pool: Any, leases: list[Any], timeout_s: float = 30.
         await asyncio.sleep(0.1)
     stats = pool.stats()
     assert stats["verify_failures"] == 0, [d["last_error"] for d in stats["desktops"]]
+
+
+def require_vlm_serving() -> None:
+    """vLLM and the isolated torchvision that vision-language replicas need."""
+    import importlib.util
+
+    from config import load_config
+    from rollout.fleet.launch import vlm_cpu_site
+
+    if importlib.util.find_spec("vllm") is None:
+        unavailable("vLLM is not installed")
+    pool = load_config(REPO_ROOT / "configs" / "demo_vlm.yaml").model_pool
+    if not (vlm_cpu_site(pool) / "torchvision").is_dir():
+        unavailable("torchvision for vision-language replicas is not installed "
+                    "(scripts/setup_env.sh --vlm)")
+
+
+def desktop_image(profile: str = "demo") -> str:
+    """The desktop image of ``profile``, built (or found up to date) by the build script."""
+    import shutil
+
+    if shutil.which("podman") is None:
+        unavailable("podman is not installed (scripts/setup_env.sh --containers)")
+    done = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "build_desktop_image.sh"),
+                           "--profile", profile], cwd=REPO_ROOT, capture_output=True,
+                          text=True, timeout=1800)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout.strip().splitlines()[-1]

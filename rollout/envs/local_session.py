@@ -37,6 +37,7 @@ from desktop.processes import DESKTOP_ID_VAR, allowed_env
 from desktop.profile import provision
 from desktop.protocol import CHROMIUM_PORT_VAR, VLC_PORT_VAR
 from rollout.errors import DesktopError
+from rollout.http import reachable_host
 
 __all__ = ["MARKER", "SESSION_FILE", "LocalDesktopSession", "office_pipe", "sweep_stale_sessions"]
 
@@ -76,6 +77,7 @@ class LocalDesktopSession:
         home_template: Path | None = None,
         token_env: str | None = None,
         start_timeout_s: float = 60.0,
+        host: str = "127.0.0.1",
     ) -> None:
         self.id = desktop_id
         self.dir = Path(state_dir).resolve() / desktop_id
@@ -85,6 +87,7 @@ class LocalDesktopSession:
         self.home_template = home_template
         self.token_env = token_env
         self.start_timeout_s = start_timeout_s
+        self.host = host  # the server's bind address
         self.display: XvfbDisplay | None = None
         self.url: str | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -303,13 +306,13 @@ class LocalDesktopSession:
         self._env["DBUS_SESSION_BUS_ADDRESS"] = line.decode().strip()
 
     def _start_server(self, deadline: float) -> str:
-        port = _free_port()
+        port = _free_port(self.host)
         # Desktops of one host share its network: each browser gets a DevTools port of its
         # own, each VLC an HTTP port (desktop/apps/ listen there; the server reports them at
         # /ports).
         self._env[CHROMIUM_PORT_VAR] = str(_free_port())
         self._env[VLC_PORT_VAR] = str(_free_port())
-        argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port)]
+        argv = [sys.executable, "-m", "desktop.server", "--host", self.host, "--port", str(port)]
         # Apps the server launches start in the desktop's HOME, as on a real desktop; the
         # desktop package stays importable for the server through PYTHONPATH (its parent
         # directory: the server needs desktop/ alone), which its children do not inherit.
@@ -328,7 +331,7 @@ class LocalDesktopSession:
                 headers["Authorization"] = f"Bearer {token}"
         proc = self._spawn("server", argv, cwd=str(self.home), env=env)
         self._procs["server"] = proc
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{reachable_host(self.host)}:{port}"
         while True:
             if proc.poll() is not None:
                 log = (self.dir / "server.log").read_text(errors="replace")[-800:]
@@ -415,9 +418,9 @@ def office_pipe(home: Path) -> Path:
     return Path("/tmp") / f"OSL_PIPE_{os.getuid()}_SingleOfficeIPC_{digest}"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+def _free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+        s.bind((host, 0))
         return int(s.getsockname()[1])
 
 

@@ -15,7 +15,7 @@ import httpx
 
 from config import Config
 from rollout.errors import ConfigError, FleetError
-from rollout.fleet.control import ControlClient, ControlServer
+from rollout.fleet.control import ENDPOINTS_PATH, ControlClient, ControlServer
 from rollout.fleet.launch import RequestShape
 from rollout.fleet.state import ENDPOINTS_FILE, read_state
 from rollout.fleet.supervisor import Supervisor
@@ -82,7 +82,8 @@ def format_status(data: dict[str, Any], *, live: bool) -> str:
     if live:
         up_s = time.time() - float(sup.get("started_at") or time.time())
         lines.append(f"supervisor: pid {sup.get('pid')}, up {up_s:.0f} s, "
-                     f"control {sup.get('control_url')}")
+                     f"control {sup.get('control_url')}, endpoint list "
+                     f"{sup.get('control_url')}{ENDPOINTS_PATH} (model.endpoints_url)")
     else:
         lines.append("supervisor: not running (last published state below)")
     lines.append(f"model: {data.get('model')}  checkpoint: {data.get('checkpoint')}  "

@@ -1,11 +1,14 @@
-"""The supervisor's control API on 127.0.0.1 (``GET /status``, ``POST /reload``, bearer token
-from the 0600 ``control.json``): thin routes that run each request on the supervisor's loop
-and map its answers to HTTP, and the client the ``status`` and ``reload`` commands use."""
+"""The supervisor's control API on ``model_pool.host`` (``GET /status``, ``POST /reload``,
+bearer token from the 0600 ``control.json``; ``GET /endpoints``, the published endpoint list,
+also for the replicas' key): thin routes that run each request on the supervisor's loop and
+map its answers to HTTP, and the client the ``status`` and ``reload`` commands use."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import hmac
+import json
 import os
 import secrets
 from collections.abc import Awaitable, Callable
@@ -23,10 +26,18 @@ from rollout.http import ThreadedServer
 if TYPE_CHECKING:
     from starlette.applications import Starlette
 
-__all__ = ["RELOAD_PATH", "STATUS_PATH", "ControlClient", "ControlServer", "create_app"]
+__all__ = [
+    "ENDPOINTS_PATH",
+    "RELOAD_PATH",
+    "STATUS_PATH",
+    "ControlClient",
+    "ControlServer",
+    "create_app",
+]
 
 STATUS_PATH = "/status"
 RELOAD_PATH = "/reload"
+ENDPOINTS_PATH = "/endpoints"  # what endpoints.json holds, for clients on other machines
 _START_TIMEOUT_S = 30.0
 
 # HTTP status of each reason ``Supervisor.request_reload`` gives for a refusal.
@@ -46,17 +57,32 @@ def _reload_reply(outcome: ReloadOutcome) -> tuple[int, dict[str, Any]]:
     return _REFUSAL_STATUS[outcome.refused], body
 
 
-def create_app(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, token: str
-               ) -> Starlette:
-    """The control routes of ``supervisor``, whose methods run on ``loop``."""
+def create_app(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, token: str,
+               reader_key: str | None = None) -> Starlette:
+    """The control routes of ``supervisor``, whose methods run on ``loop``. ``/endpoints``
+    also answers ``reader_key`` (the replicas' key: who may generate may know where), and
+    anyone when the replicas have no key (then they are on loopback)."""
     from starlette.applications import Starlette
     from starlette.requests import Request
-    from starlette.responses import JSONResponse
+    from starlette.responses import JSONResponse, Response
     from starlette.routing import Route
 
-    def authorized(request: Request) -> bool:
-        given = request.headers.get("authorization", "")
-        return hmac.compare_digest(given.encode(), f"Bearer {token}".encode())
+    def authorized(request: Request, *keys: str | None) -> bool:
+        given = request.headers.get("authorization", "").encode()
+        return any(hmac.compare_digest(given, f"Bearer {k}".encode())
+                   for k in (token, *keys) if k)
+
+    async def endpoints(request: Request) -> Response:
+        if reader_key is not None and not authorized(request, reader_key):
+            return JSONResponse({"error": "unauthorized"}, status_code=401)
+        published = supervisor.published
+        if published is None:
+            return JSONResponse({"error": "nothing published yet"}, status_code=503)
+        body = json.dumps(published, separators=(",", ":")).encode()
+        etag = '"' + hashlib.blake2b(body, digest_size=12).hexdigest() + '"'
+        if request.headers.get("if-none-match") == etag:  # the client's copy is current
+            return Response(status_code=304, headers={"ETag": etag})
+        return Response(body, media_type="application/json", headers={"ETag": etag})
 
     async def on_loop(make: Callable[[], Awaitable[Any]]) -> Any:
         async def call() -> Any:
@@ -91,6 +117,7 @@ def create_app(supervisor: Supervisor, loop: asyncio.AbstractEventLoop, token: s
     return Starlette(routes=[
         Route(STATUS_PATH, status, methods=["GET"]),
         Route(RELOAD_PATH, reload, methods=["POST"]),
+        Route(ENDPOINTS_PATH, endpoints, methods=["GET"]),
     ])
 
 
@@ -104,12 +131,17 @@ class ControlServer:
         self._server: ThreadedServer | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> str:
-        """Start serving, each request run on ``loop``; the URL."""
-        server = ThreadedServer(create_app(self.supervisor, loop, self.token), "127.0.0.1", 0)
+        """Start serving on ``model_pool.host`` and ``control_port``, each request run on
+        ``loop``; the URL."""
+        pool = self.supervisor.pool
+        app = create_app(self.supervisor, loop, self.token, self.supervisor.replica_key)
+        server = ThreadedServer(app, pool.host, pool.control_port)
         try:
             server.start(timeout_s=_START_TIMEOUT_S)
         except RuntimeError as exc:
-            raise FleetError("the control server did not start") from exc
+            raise FleetError(f"the control server did not start on {pool.host}:"
+                             f"{pool.control_port} (model_pool.control_port: is it in use?)"
+                             ) from exc
         self._server = server
         return server.url
 

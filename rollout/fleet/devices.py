@@ -16,7 +16,6 @@ __all__ = [
     "detect_gpus",
     "parse_nvidia_smi_list",
     "port_is_free",
-    "url_host",
 ]
 
 
@@ -102,7 +101,3 @@ def choose_port(host: str, start: int, taken: set[int]) -> int:
             return port
     raise FleetError(f"no free port at or above {start} on {host}")
 
-
-def url_host(host: str) -> str:
-    """Where clients reach a replica bound to ``host``."""
-    return socket.getfqdn() if host in ("0.0.0.0", "::", "") else host

@@ -11,12 +11,14 @@ on its ``PYTHONPATH`` only.
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import logging
 import os
 import shutil
 import sys
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -33,6 +35,7 @@ __all__ = [
     "check_checkpoint",
     "replica_command",
     "replica_env",
+    "replica_tmp_root",
     "vlm_cpu_site",
 ]
 
@@ -179,6 +182,21 @@ def check_checkpoint(pool: ModelPoolConfig, checkpoint: str, devices: str | None
     run of ``shape`` (context too short, torchvision missing), rather than at each start."""
     replica_command(pool, "check", checkpoint, 1, devices, shape)
     _vision_pythonpath(pool, devices, checkpoint)
+
+
+# vLLM puts ZeroMQ IPC sockets in TMPDIR, named by a uuid4 (37 characters with the slash);
+# a socket's path has at most 107 bytes.
+_TMP_DIR_MAX_CHARS = 107 - 37
+
+
+def replica_tmp_root(state_dir: Path) -> Path:
+    """Where the replicas' temp dirs live: ``<state_dir>/tmp``, or, when that path is too
+    long for vLLM's sockets, a short directory of the system temp dir named after it."""
+    root = Path(state_dir).resolve() / "tmp"
+    if len(str(root)) + len("/replica-999") <= _TMP_DIR_MAX_CHARS:
+        return root
+    digest = hashlib.blake2b(str(root).encode(), digest_size=6).hexdigest()
+    return Path(tempfile.gettempdir()) / f"cua-vllm-{digest}"
 
 
 def replica_env(pool: ModelPoolConfig, devices: str | None, tmp_dir: Path,

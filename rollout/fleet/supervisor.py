@@ -9,6 +9,7 @@ import contextlib
 import enum
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -21,8 +22,14 @@ from rollout.aio import TaskSet
 from rollout.errors import ConfigError, FleetError
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.checkpoints import checkpoint_version, resolve_checkpoint, same_architecture
-from rollout.fleet.devices import assign_devices, choose_port, detect_gpus, port_is_free, url_host
-from rollout.fleet.launch import RequestShape, check_checkpoint, replica_command, replica_env
+from rollout.fleet.devices import assign_devices, choose_port, detect_gpus, port_is_free
+from rollout.fleet.launch import (
+    RequestShape,
+    check_checkpoint,
+    replica_command,
+    replica_env,
+    replica_tmp_root,
+)
 from rollout.fleet.processes import (
     exit_status,
     log_tail,
@@ -48,6 +55,7 @@ from rollout.fleet.state import (
     write_state,
 )
 from rollout.fleet.watch import first_checkpoint, watch_checkpoints
+from rollout.http import reachable_host
 from rollout.openai_protocol import HEALTH_PATH
 
 __all__ = [
@@ -180,7 +188,8 @@ class Supervisor:
             detect_gpus(), os.environ.get("CUDA_VISIBLE_DEVICES"),
         )
         # A key named but not set fails now, not at each replica's start.
-        secret_from_env(pool.api_key_env, "model_pool.api_key_env")
+        self.replica_key = secret_from_env(pool.api_key_env, "model_pool.api_key_env")
+        self.published: FleetState | None = None  # what endpoints.json holds now
         self.shape = shape  # the run's requests: a vision-language replica's limits
         if self.checkpoint:  # a checkpoint no replica could serve fails now, not per start
             check_checkpoint(pool, self.checkpoint, self.devices[0] if self.devices else None,
@@ -267,6 +276,9 @@ class Supervisor:
         self._publish(stopped=True)
         with contextlib.suppress(FileNotFoundError):
             (self.state_dir / CONTROL_FILE).unlink()
+        tmp_root = replica_tmp_root(self.state_dir)
+        if not tmp_root.is_relative_to(self.state_dir):  # the short one in the system's
+            shutil.rmtree(tmp_root, ignore_errors=True)
         if self._control is not None:
             self._control.stop()
         if self._api is not None:
@@ -288,7 +300,7 @@ class Supervisor:
                 index=i,
                 devices=self.devices[i] if self.devices else None,
                 port=port,
-                url=f"http://{url_host(self.pool.host)}:{port}",
+                url=f"http://{reachable_host(self.pool.host)}:{port}",
                 checkpoint=self.checkpoint,
                 version=self.version,
                 log_path=self.state_dir / LOG_DIR / f"replica-{i}.log",
@@ -326,11 +338,11 @@ class Supervisor:
         taken = {o.port for o in self.replicas if o is not r}
         if r.port in taken or not port_is_free(self.pool.host, r.port):
             r.port = choose_port(self.pool.host, self.pool.base_port, taken)
-            r.url = f"http://{url_host(self.pool.host)}:{r.port}"
+            r.url = f"http://{reachable_host(self.pool.host)}:{r.port}"
         cmd = replica_command(self.pool, self.model_name, r.checkpoint, r.port, r.devices,
                               self.shape)
-        env = replica_env(self.pool, r.devices, self.state_dir / "tmp" / f"replica-{r.index}",
-                          r.checkpoint)
+        env = replica_env(self.pool, r.devices,
+                          replica_tmp_root(self.state_dir) / f"replica-{r.index}", r.checkpoint)
         r.proc = spawn(cmd, env, r.log_path)
         r.started_at = time.time()
         r.state, r.healthy, r.health_failures, r.last_exit = "starting", False, 0, None
@@ -651,6 +663,7 @@ class Supervisor:
             data["supervisor"] = None
             data["stopped_at"] = time.time()
         self._mtime_ns = write_state(self.state_dir, data, min_mtime_ns=self._mtime_ns)
+        self.published = data
 
     async def status(self) -> FleetState:
         """The snapshot plus each replica's requests running / waiting (vLLM /metrics)."""

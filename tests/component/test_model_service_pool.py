@@ -8,11 +8,13 @@ import json
 import os
 from collections import Counter
 
+import httpx2
 import pytest
 
-from config import ModelConfig, SamplingConfig
+from config import ModelConfig, ModelPoolConfig, SamplingConfig
 from model_service_pool import ENDPOINTS_FILE, ModelServicePool
 from rollout.errors import ContextTooShort, ModelRequestError, ModelUnavailable
+from rollout.fleet.control import ENDPOINTS_PATH, ControlServer
 from rollout.openai_protocol import (
     ChatReply,
     ChatRequest,
@@ -280,6 +282,56 @@ async def test_endpoints_from_state_file_follow_changes(servers, tmp_path):
         assert {(g.endpoint, g.model_version) for g in gens} == {(b.url, "v2")}
     finally:
         await pool.close()
+
+
+class _Publisher:
+    """What the control server reads of a supervisor for ``/endpoints``."""
+
+    def __init__(self, entries: list[dict]) -> None:
+        self.pool = ModelPoolConfig(api_key_env="FAKE_POOL_KEY")
+        self.replica_key = "sk-pool"
+        self.published: dict | None = {"model": "fake", "endpoints": entries}
+
+
+async def test_endpoints_from_the_control_server_follow_changes_without_a_shared_disk(
+        servers, monkeypatch):
+    a, b = servers(2)
+    publisher = _Publisher([{"url": a.url, "healthy": True, "model_version": "v1"},
+                            {"url": b.url, "healthy": False, "model_version": "v1"}])
+    control = ControlServer(publisher)  # type: ignore[arg-type]
+    url = control.start(asyncio.get_running_loop()) + ENDPOINTS_PATH
+    monkeypatch.setenv("FAKE_MODEL_KEY", "sk-pool")
+    monkeypatch.setenv("WRONG_MODEL_KEY", "sk-other")
+    pool = ModelServicePool(model_cfg([], endpoints_url=url, api_key_env="FAKE_MODEL_KEY"))
+    intruder = ModelServicePool(model_cfg([], endpoints_url=url, retries=0,
+                                          api_key_env="WRONG_MODEL_KEY"))
+    try:
+        gens = [await pool.generate(MESSAGES, f"s{i}") for i in range(3)]
+        assert {(g.endpoint, g.model_version) for g in gens} == {(a.url, "v1")}
+        # A reload's new list reaches the client within a second or so.
+        publisher.published = {"endpoints": [
+            {"url": a.url, "healthy": True, "model_version": "v1", "draining": True},
+            {"url": b.url, "healthy": True, "model_version": "v2"}]}
+        await asyncio.sleep(1.6)
+        gens = [await pool.generate(MESSAGES, f"t{i}") for i in range(3)]
+        assert {(g.endpoint, g.model_version) for g in gens} == {(b.url, "v2")}
+        # A client without the pool's key is refused the list, and says so.
+        with pytest.raises(ModelUnavailable, match=r"endpoint list is not readable: .*HTTP 401"):
+            await intruder.generate(MESSAGES, "v")
+        # An unchanged list costs a 304.
+        async with httpx2.AsyncClient(headers={"Authorization": "Bearer sk-pool"}) as http:
+            first = await http.get(url)
+            again = await http.get(url, headers={"If-None-Match": first.headers["etag"]})
+        assert first.status_code == 200 and again.status_code == 304
+        assert first.json()["endpoints"][1]["model_version"] == "v2"
+        # The control server gone: the list read last keeps serving.
+        control.stop()
+        await asyncio.sleep(1.6)
+        assert (await pool.generate(MESSAGES, "u")).endpoint == b.url
+    finally:
+        await pool.close()
+        await intruder.close()
+        control.stop()
 
 
 async def test_no_endpoints_anywhere_is_a_clear_error(tmp_path):

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import shutil
 import signal
 import statistics
 import subprocess
@@ -19,7 +18,7 @@ import pytest
 from config import DesktopsConfig
 from env_k8s import DesktopPool, RemoteDesktopEnv, check_desktop_env
 from rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
-from tests.support import REPO_ROOT, unavailable
+from tests.support import REPO_ROOT, desktop_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -29,13 +28,7 @@ RUN_TIMEOUT_S = 600
 
 @pytest.fixture(scope="module")
 def image() -> str:
-    """The demo profile's image, built (or found up to date) by the build script."""
-    if shutil.which("podman") is None:
-        unavailable("podman is not installed (scripts/setup_env.sh --containers)")
-    done = subprocess.run(["bash", str(BUILD), "--profile", "demo"], cwd=REPO_ROOT,
-                          capture_output=True, text=True, timeout=1800)
-    assert done.returncode == 0, done.stderr[-3000:]
-    return done.stdout.strip().splitlines()[-1]
+    return desktop_image("demo")
 
 
 def _cfg(image: str, **kw) -> DesktopsConfig:

@@ -34,7 +34,7 @@ from rollout.fleet.checkpoints import (
     resolve_checkpoint,
     same_architecture,
 )
-from rollout.fleet.control import ControlClient, ControlServer
+from rollout.fleet.control import ENDPOINTS_PATH, ControlClient, ControlServer
 from rollout.fleet.devices import assign_devices, parse_nvidia_smi_list
 from rollout.fleet.processes import (
     API_SERVER_MODULE,
@@ -287,6 +287,9 @@ class _StubSupervisor:
     def __init__(self) -> None:
         self.outcomes: list[ReloadOutcome] = []
         self.requested: list[str] = []
+        self.pool = ModelPoolConfig()
+        self.replica_key = None
+        self.published = {"model": MODEL_NAME, "endpoints": []}
 
     async def status(self) -> dict[str, Any]:
         return {"model": MODEL_NAME, "endpoints": []}
@@ -506,13 +509,22 @@ def test_replicas_refuse_generations_without_the_key(pool: Pool):
 async def test_pool_routes_requests_to_both_replicas(pool: Pool):
     version = checkpoint_version(str(pool.models.first))
     client = ModelServicePool(client_cfg(), state_dir=pool.state_dir)
+    # A client elsewhere reads the list from the control server, with the replicas' key.
+    control = json.loads((pool.state_dir / CONTROL_FILE).read_text())["url"]
+    remote = ModelServicePool(client_cfg(endpoints_url=control + ENDPOINTS_PATH))
     try:
         gens = await asyncio.gather(*(client.generate(MESSAGES, f"s{i}") for i in range(12)))
+        remote_gens = await asyncio.gather(*(remote.generate(MESSAGES, f"r{i}")
+                                             for i in range(4)))
     finally:
         await client.close()
+        await remote.close()
     assert {g.endpoint for g in gens} == {e["url"] for e in pool.endpoints()}
-    assert {g.model_version for g in gens} == {version}
-    assert all(g.completion_tokens > 0 and g.attempts == 1 for g in gens)
+    assert {g.model_version for g in gens + remote_gens} == {version}
+    assert all(g.completion_tokens > 0 and g.attempts == 1 for g in gens + remote_gens)
+    assert {g.endpoint for g in remote_gens} <= {e["url"] for e in pool.endpoints()}
+    no_key = httpx.get(control + ENDPOINTS_PATH, timeout=30)
+    assert no_key.status_code == 401  # the list is for those who hold the key
 
 
 @pytest.mark.integration

@@ -15,7 +15,6 @@ real screenshots of real desktops as images, real Ray.
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import io
 import itertools
 import json
@@ -37,11 +36,11 @@ from config import Config, load_config
 from model_service_pool import ModelServicePool
 from rollout.errors import ActionParseError, ContextTooShort
 from rollout.fleet.child import PoolChild
-from rollout.fleet.launch import RequestShape, vlm_cpu_site
+from rollout.fleet.launch import RequestShape
 from rollout.screenshot import Screenshot
 from rollout.testing.tiny_models import build_tiny_vlm
 from rollout.types import SCORED_STATUSES, Status
-from tests.support import REPO_ROOT, unavailable
+from tests.support import REPO_ROOT, require_vlm_serving
 from ui_tars_utils import (
     IMAGE_WRAPPER_TOKENS,
     action_regex,
@@ -54,14 +53,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
 DEMO_VLM = REPO_ROOT / "configs" / "demo_vlm.yaml"
 RUN_TIMEOUT_S = 900
-
-
-def _require_vlm_serving() -> None:
-    if importlib.util.find_spec("vllm") is None:
-        unavailable("vLLM is not installed")
-    if not (vlm_cpu_site(load_config(DEMO_VLM).model_pool) / "torchvision").is_dir():
-        unavailable("torchvision for vision-language replicas is not installed "
-                    "(scripts/setup_env.sh --vlm)")
 
 
 def _config(tmp: Path, *sets: str) -> Config:
@@ -106,7 +97,7 @@ def _messages(shots: list[Screenshot], text: str = "Click the button.") -> list[
 def test_the_vlm_demo_as_users_run_it(tmp):
     """``python run.py --config configs/demo_vlm.yaml`` (its own pool on a tiny VLM built
     here), on a few demo tasks x 2 rollouts."""
-    _require_vlm_serving()
+    require_vlm_serving()
     model_dir = build_tiny_vlm(tmp / "tiny-vlm")
     tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO_VLM)]
@@ -170,7 +161,7 @@ def _token_id(model_dir: Path, token: str) -> int:
 def pool() -> Iterator[tuple[Config, str]]:
     """A run_model.py pool serving a tiny VLM built here, for the tests below; the config
     and the endpoint URL."""
-    _require_vlm_serving()
+    require_vlm_serving()
     import shutil
     import tempfile
 

@@ -34,6 +34,7 @@ model:
   name: ui-tars-1.5-7b
   family: uitars-1.0
   endpoints: ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
+  endpoints_url: null  # excludes endpoints
   api_key_env: MY_KEY
   scripted: false
   scripted_error_rate: 0.1
@@ -61,6 +62,7 @@ model_pool:
   gpu_ids: [0, 1, 2, 3, 4, 5, 6, 7]
   host: 0.0.0.0
   base_port: 9000
+  control_port: 8099
   state_dir: /tmp/pool
   extra_args: ["--max-model-len", "32768", "--limit-mm-per-prompt", "image=5"]
   env: {VLLM_SERVER_DEV_MODE: "1"}
@@ -86,6 +88,7 @@ model_pool:
   start_with_run: false
 desktops:
   provider: static
+  node: 10.0.0.9
   count: 3
   warm_spares: 0
   screen_width: 1280
@@ -107,7 +110,8 @@ desktops:
   chromium_port: 9333
   vlc_port: 8081
   accounts_dir: /data/osworld/settings
-  local: {state_dir: /tmp/d, window_manager: openbox, home_template: /tmp/home, start_timeout_s: 30}
+  local: {state_dir: /tmp/d, window_manager: openbox, home_template: /tmp/home, start_timeout_s: 30,
+          host: 10.0.0.9}
   static: {urls: ["http://10.0.0.1:5000", "http://10.0.0.2:5000"], reset_command: [bash, reset.sh],
            retry_quarantined_s: 60, reset: command, reset_url: "http://vm-manager/reset"}
   verify: {enabled: false, home_depth: 3, ignore_paths: [snap], ignore_processes: [tracker],
@@ -148,7 +152,8 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.model_pool.replicas == 4 and cfg.model_pool.env == {"VLLM_SERVER_DEV_MODE": "1"}
     assert cfg.model.max_pixels == 1003520 and cfg.model.constrain_actions is True
     assert cfg.desktops.container.memory == "3g" and cfg.desktops.container.runtime == "runc"
-    assert cfg.model_pool.max_model_len == 16384
+    assert cfg.model_pool.max_model_len == 16384 and cfg.model_pool.control_port == 8099
+    assert cfg.desktops.node == "10.0.0.9" and cfg.desktops.local.host == "10.0.0.9"
     assert cfg.model_pool.vlm_cpu_site == Path("/opt/vlm-site")
     assert cfg.desktops.provider == "static" and cfg.desktops.static.reset_command == [
         "bash",
@@ -261,6 +266,15 @@ def test_missing_file_bad_yaml_and_non_mapping(tmp_path):
 def test_cross_field_rules(tmp_path):
     with pytest.raises(ConfigError, match="exclude each other"):
         load_config(write(tmp_path, "model: {scripted: true, endpoints: ['http://x:1']}"))
+    with pytest.raises(ConfigError, match=r"model\.endpoints and model\.endpoints_url exclude"):
+        load_config(write(tmp_path, "model: {endpoints: ['http://x:1'], "
+                                    "endpoints_url: 'http://x:2/endpoints'}"))
+    with pytest.raises(ConfigError, match=r"model\.endpoints_url 'x:2/endpoints' is not an "
+                                          r"http\(s\) URL"):
+        load_config(write(tmp_path, "model: {endpoints_url: 'x:2/endpoints'}"))
+    with pytest.raises(ConfigError, match=r"start_with_run .* excludes model\.endpoints_url"):
+        load_config(write(tmp_path, "model: {endpoints_url: 'http://x:2/endpoints'}\n"
+                                    "model_pool: {start_with_run: true, checkpoint: /m}"))
     with pytest.raises(ConfigError, match=r"static\.urls is empty"):
         load_config(write(tmp_path, "desktops: {provider: static}"))
 

@@ -12,8 +12,7 @@ import pytest
 
 from config import DesktopsConfig
 from rollout.envs.providers import container
-from rollout.envs.providers.container import ContainerProvider, run_label
-from rollout.errors import ConfigError
+from rollout.envs.providers.container import run_label
 
 
 def test_a_run_label_names_this_process_and_tells_a_gone_run():
@@ -44,6 +43,10 @@ def test_labels_as_each_engine_prints_them(text):
 
 
 def test_desktops_published_beyond_this_host_need_a_token():
-    cfg = DesktopsConfig(provider="container", container={"publish_host": "0.0.0.0"})
-    with pytest.raises(ConfigError, match=r"token_env"):
-        ContainerProvider(cfg)
+    with pytest.raises(ValueError, match=r"desktops\.container\.publish_host '0\.0\.0\.0' .*"
+                                         r"token_env"):
+        DesktopsConfig(provider="container", container={"publish_host": "0.0.0.0"})
+    with pytest.raises(ValueError, match=r"desktops\.local\.host '10\.1\.2\.3' .*token_env"):
+        DesktopsConfig(local={"host": "10.1.2.3"})
+    DesktopsConfig(local={"host": "10.1.2.3"}, token_env="T")
+    DesktopsConfig(provider="static", local={"host": "10.1.2.3"})  # not the provider in use

@@ -7,6 +7,8 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import tempfile
+import uuid
 from pathlib import Path
 
 import pytest
@@ -161,3 +163,14 @@ def test_replicas_reachable_from_other_hosts_need_a_key():
                                                 "api_key_env": "K"},
                                  "model": {"api_key_env": "K"}})
     assert cfg.model_pool.api_key_env == "K"
+
+
+def test_replica_temp_dirs_stay_short_enough_for_vllm_sockets(tmp_path):
+    from rollout.fleet.launch import replica_tmp_root
+
+    assert replica_tmp_root(Path("/srv/pool")) == Path("/srv/pool/tmp")
+    deep = tmp_path / ("d" * 60) / "pool"
+    root = replica_tmp_root(deep)
+    assert root.parent == Path(tempfile.gettempdir()) and root.name.startswith("cua-vllm-")
+    assert root == replica_tmp_root(deep)  # the same pool, the same dir
+    assert len(f"{root}/replica-0/{uuid.uuid4()}") <= 107  # vLLM's IPC socket path

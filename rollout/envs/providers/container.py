@@ -16,7 +16,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import getpass
-import ipaddress
 import json
 import logging
 import os
@@ -34,6 +33,7 @@ from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
 from rollout.envs.providers.static import builtin_reset, take_baseline
 from rollout.errors import ConfigError, DesktopError
+from rollout.http import reachable_host
 
 __all__ = ["LABEL_DESKTOP", "LABEL_OWNER", "LABEL_RUN", "ContainerProvider", "run_label"]
 
@@ -69,13 +69,6 @@ def _run_is_gone(label: str) -> bool:
         return False
 
 
-def _loopback(host: str) -> bool:
-    try:
-        return host == "localhost" or ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
-
-
 class ContainerProvider(DesktopProvider):
     """Desktops as containers of the desktop image on podman or docker."""
 
@@ -87,11 +80,6 @@ class ContainerProvider(DesktopProvider):
         self.engine = self._engine()
         self.run = run_label()
         self._token: str | None = None
-        if cfg.token_env is None and not _loopback(self.ccfg.publish_host):
-            raise ConfigError(
-                f"desktops.container.publish_host {self.ccfg.publish_host!r} is reachable from "
-                "other hosts: set desktops.token_env to the variable holding the desktops' "
-                "bearer token (a desktop runs any code it is sent)")
         self._flags: list[str] | None = None
         self._containers: dict[str, str] = {}  # desktop id -> container id
         self._swept = False
@@ -191,10 +179,7 @@ class ContainerProvider(DesktopProvider):
         try:
             mapped = await self._cli("port", container, f"{SERVER_PORT}/tcp")
             host_port = mapped.splitlines()[0].rsplit(":", 1)[1]
-            host = self.ccfg.publish_host
-            if host in ("0.0.0.0", "::"):
-                host = socket.gethostname()
-            url = f"http://{host}:{host_port}"
+            url = f"http://{reachable_host(self.ccfg.publish_host)}:{host_port}"
             desktop = Desktop(id=desktop_id, url=url, info={"container": container[:12]})
             await self._wait_serving(desktop, started)
             ready_s = time.monotonic() - started

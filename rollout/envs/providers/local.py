@@ -47,7 +47,7 @@ class LocalProvider(DesktopProvider):
             desktop_id, self.cfg.local.state_dir, self.cfg.screen_width, self.cfg.screen_height,
             window_manager=self.cfg.local.window_manager,
             home_template=self.cfg.local.home_template, token_env=self.cfg.token_env,
-            start_timeout_s=self.cfg.local.start_timeout_s,
+            start_timeout_s=self.cfg.local.start_timeout_s, host=self.cfg.local.host,
         )
         url = await asyncio.to_thread(session.start)
         self._sessions[desktop_id] = session
