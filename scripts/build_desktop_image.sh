@@ -10,6 +10,10 @@
 #                                          registry needed; registry: FROM debian:bookworm-slim)
 #            --print-tag                  # the tag the inputs give, without building
 #   env:     DEBIAN_MIRROR (default http://deb.debian.org/debian), PYTHON (default .venv/bin/python)
+#            CUA_IMAGE_CACHE: a directory where built images are saved as archives named by their
+#            tags (inputs hash), and loaded from when the engine lacks them, as on a fresh CI
+#            machine with a restored cache (default ~/.cache/cua-rollout/images; empty: none).
+#            Only the newest archive of each profile and base is kept.
 set -euo pipefail
 
 here="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -25,7 +29,7 @@ while [ $# -gt 0 ]; do
         --engine) engine="${2:?--engine needs podman or docker}"; shift ;;
         --base) base_from="${2:?--base needs debootstrap or registry}"; shift ;;
         --print-tag) print_tag=1 ;;
-        -h|--help) sed -n '2,13p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "build_desktop_image.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -67,8 +71,32 @@ build_flags=("${run_flags[@]}")
 [ "$engine" = podman ] && build_flags+=(--format docker)
 exists() { "$engine" image inspect "$1" >/dev/null 2>&1; }
 
-if exists "$tag"; then
+cache="${CUA_IMAGE_CACHE-${XDG_CACHE_HOME:-$HOME/.cache}/cua-rollout/images}"
+archive() { printf '%s/%s.tar' "$cache" "$(tr '/:' '+=' <<<"$1")"; }
+# Load an image from the cache when the engine lacks it; true when it is there after.
+from_cache() {
+    exists "$1" && return 0
+    [ -n "$cache" ] && [ -f "$(archive "$1")" ] || return 1
+    log "loading $1 from $(archive "$1")"
+    "$engine" load -q -i "$(archive "$1")" >/dev/null 2>&1 && exists "$1"
+}
+# Save an image to the cache, in place of older archives of the same name before the hash.
+to_cache() {
+    [ -n "$cache" ] || return 0
+    local file stem
+    file="$(archive "$1")"; stem="${file%-*}"
+    mkdir -p "$cache" && rm -f "$stem"-*.tar "$stem"-*.tar.part
+    if "$engine" save -q -o "$file.part" "$1" >/dev/null 2>&1; then
+        mv "$file.part" "$file"
+        log "saved $1 to $file ($(( $(stat -c %s "$file") / 1024 / 1024 )) MB)"
+    else
+        rm -f "$file.part"; log "could not save $1 to the cache $cache (continuing)"
+    fi
+}
+
+if from_cache "$tag"; then
     "$engine" tag "$tag" "localhost/cua-desktop:$profile"  # the last one built or asked for
+    [ -z "$cache" ] || [ -f "$(archive "$tag")" ] || to_cache "$tag"
     log "up to date: $tag"
     echo "$tag"
     exit 0
@@ -78,7 +106,7 @@ work="$(mktemp -d "${TMPDIR:-/tmp}/cua-image.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 
 # --- the Debian base ------------------------------------------------------------------------
-if exists "$base_tag"; then
+if from_cache "$base_tag"; then
     log "base up to date: $base_tag"
 elif [ "$base_from" = debootstrap ]; then
     command -v debootstrap >/dev/null || { echo "build_desktop_image.sh: debootstrap is not installed (bash scripts/setup_env.sh --containers)" >&2; exit 2; }
@@ -95,6 +123,7 @@ elif [ "$base_from" = debootstrap ]; then
     log "importing the base as $base_tag"
     tar -C "$work/rootfs" -c . | "$engine" import --change 'CMD ["/bin/bash"]' - "$base_tag" >/dev/null
     rm -rf "$work/rootfs"
+    to_cache "$base_tag"
 else
     log "base from debian:bookworm-slim with apt-get"
     printf 'FROM docker.io/library/debian:bookworm-slim\nRUN apt-get update && DEBIAN_FRONTEND=noninteractive apt-get install -y --no-install-recommends %s && rm -rf /var/lib/apt/lists/*\n' \
@@ -122,4 +151,5 @@ log "building $tag with $engine"
     -t "$tag" -t "localhost/cua-desktop:$version-$profile" -t "localhost/cua-desktop:$profile" -f "$image_dir/Containerfile" "$work/ctx" >&2
 size="$("$engine" image inspect "$tag" --format '{{.Size}}')"
 log "built $tag: $((size / 1024 / 1024)) MB in $(( $(date +%s) - started )) s"
+to_cache "$tag"
 echo "$tag"

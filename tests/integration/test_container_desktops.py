@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import signal
 import statistics
 import subprocess
@@ -209,3 +210,25 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
     left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
                           capture_output=True, text=True, check=True).stdout.split()
     assert left == [], "containers left after the run"
+
+
+def test_the_build_saves_the_image_to_its_cache_and_loads_it_from_there(image, tmp_path):
+    """A fresh machine with a restored cache (CUA_IMAGE_CACHE) loads the image instead of
+    building it: here the tag is removed from the engine and comes back from the archive."""
+    env = {**os.environ, "CUA_IMAGE_CACHE": str(tmp_path / "cache")}
+
+    def build() -> subprocess.CompletedProcess[str]:
+        done = subprocess.run(["bash", str(BUILD), "--profile", "demo"], cwd=REPO_ROOT, env=env,
+                              capture_output=True, text=True, timeout=1800)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done
+
+    first = build()
+    assert first.stdout.split()[-1] == image and "saved" in first.stderr
+    archives = list((tmp_path / "cache").glob("*.tar"))
+    assert [a.name for a in archives] == [image.replace("/", "+").replace(":", "=") + ".tar"]
+    subprocess.run(["podman", "untag", image, image], check=True, timeout=60)
+    second = build()
+    assert second.stdout.split()[-1] == image
+    assert "loading" in second.stderr and "building" not in second.stderr, second.stderr
+    assert subprocess.run(["podman", "image", "exists", image], timeout=60).returncode == 0
