@@ -13,6 +13,7 @@ import statistics
 import subprocess
 import sys
 import time
+import uuid
 
 import pytest
 
@@ -131,13 +132,27 @@ async def test_a_container_killed_mid_lease_is_replaced(image):
     assert _ours(pool.provider.run) == []
 
 
+def _test_mark() -> str:
+    """A ``--set`` giving this test's containers a label of their own: what is left after
+    the run is counted among them only, whatever else runs containers on this machine."""
+    return ("desktops.container.extra_args="
+            + json.dumps(["--label", f"cua.test={uuid.uuid4().hex[:12]}"]))
+
+
+def _marked(mark: str) -> list[str]:
+    label = json.loads(mark.split("=", 1)[1])[1]
+    return subprocess.run(["podman", "ps", "-aq", "--filter", f"label={label}"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
 def test_the_demo_on_container_desktops(tmp, image):
     tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
             str(REPO_ROOT / "configs" / "demo.yaml")]
+    mark = _test_mark()
     for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
               f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
-              "ray.include_dashboard=false"):
+              "ray.include_dashboard=false", mark):
         args += ["--set", s]
     proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -154,9 +169,7 @@ def test_the_demo_on_container_desktops(tmp, image):
     assert {r["status"] for r in results} == {"success"}, [
         (r["task_id"], r["status"], r["error"]) for r in results]
     assert all(r["desktop"].startswith("ctr-") for r in results)
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
-                          capture_output=True, text=True, check=True).stdout.split()
-    assert left == [], "containers left running after the run"
+    assert _marked(mark) == [], "containers left running after the run"
 
 
 def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, image):
@@ -164,9 +177,10 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
     leases, as scripts/desktops.py shows them): those episodes are infra_errors retried on new
     containers, and the run completes with every episode."""
     tasks = ["terminal-hello-file", "calc-add"]
+    mark = _test_mark()
     sets = [f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
             f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
-            "model.scripted_latency_s=1.5", "ray.include_dashboard=false"]
+            "model.scripted_latency_s=1.5", "ray.include_dashboard=false", mark]
     demo = str(REPO_ROOT / "configs" / "demo.yaml")
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", demo]
     status = [sys.executable, str(REPO_ROOT / "scripts" / "desktops.py"), "status", "--json",
@@ -207,9 +221,7 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
     assert retried, [(r["episode_id"], r["desktop"], r["attempt"]) for r in results]
     for r in retried:  # ... on another desktop than the one that died
         assert len(r["desktops_tried"]) >= 2 and r["desktop"] != r["desktops_tried"][0]
-    left = subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.desktop"],
-                          capture_output=True, text=True, check=True).stdout.split()
-    assert left == [], "containers left after the run"
+    assert _marked(mark) == [], "containers left after the run"
 
 
 def test_the_build_saves_the_image_to_its_cache_and_loads_it_from_there(image, tmp_path):
