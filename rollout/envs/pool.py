@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import random
 import time
 import uuid
 from collections import deque
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from config import DesktopsConfig
-from rollout.aio import TaskSet
+from rollout.aio import TaskSet, backoff_s
 from rollout.envs.client import close_shared_client
 from rollout.envs.providers import make_provider
 from rollout.envs.providers.base import Desktop, DesktopProvider
@@ -29,6 +30,8 @@ log = logging.getLogger(__name__)
 
 # The housekeeping loop runs at least this often (reclaiming leases, idle health checks).
 _HOUSEKEEPING_MAX_INTERVAL_S = 5.0
+_REFILL_BACKOFF_INITIAL_S = 2.0   # after a failed start, the first delay before another
+_REFILL_BACKOFF_MAX_S = 120.0
 # Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
 _RESET_WINDOW = 1000
 
@@ -75,6 +78,13 @@ class DesktopPool:
         self._next_index = 0
         self._started = False
         self._stopping = False
+        # Desktops missing from the target (a start or a replacement failed): started again
+        # by the housekeeping with backoff, so a refusal (quota, no room) is no crash loop.
+        self._refill: asyncio.Task[Any] | None = None
+        self._refill_failures = 0
+        self._refill_at = 0.0
+        self.last_start_error: str | None = None
+        self._rng = random.Random()
         self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
                          "verify_failures": 0, "quarantined": 0, "replaced": 0,
                          "reclaimed": 0, "lease_timeouts": 0}
@@ -106,7 +116,7 @@ class DesktopPool:
         if errors and len(errors) == len(results):
             raise DesktopError(f"no desktop could be started: {errors[0]}") from errors[0]
         for err in errors:
-            log.error("a desktop failed to start: %s", err)
+            self._start_failed(err, "a desktop's start")
         self._housekeeper = self._spawn(self._housekeeping())
         return self.stats()
 
@@ -129,6 +139,10 @@ class DesktopPool:
         await asyncio.gather(
             *(self._stop_quietly(d) for d in self._desktops.values()), return_exceptions=True
         )
+        try:
+            await self.provider.close()
+        except Exception as exc:  # the desktops are stopped; what is left is logged
+            log.error("closing the %s provider failed: %s", self.cfg.provider, exc)
         await close_shared_client()
 
     # ----------------------------------------------------------------- leases
@@ -214,6 +228,8 @@ class DesktopPool:
         return {
             **by_state,
             "waiting": len(self._waiters),
+            "missing": max(0, self.target_size() - len(self._desktops)),
+            "last_start_error": self.last_start_error,
             **self.counters,
             "reset_s_median": resets[len(resets) // 2] if resets else None,
             "reset_s_max": resets[-1] if resets else None,
@@ -389,8 +405,29 @@ class DesktopPool:
         try:
             await self._start_one()
             self.counters["replaced"] += 1
-        except Exception as exc:  # keep the pool running with one desktop fewer
-            log.error("replacement of %s failed: %s", desktop.id, exc)
+        except Exception as exc:  # one fewer until the housekeeping's refill succeeds
+            self._start_failed(exc, f"replacement of {desktop.id}")
+
+    def _start_failed(self, exc: BaseException, what: str) -> None:
+        """A desktop could not be started: the next try after a growing, jittered delay;
+        each distinct reason logged once."""
+        reason = str(exc)
+        self._refill_failures += 1
+        delay = backoff_s(self._refill_failures, _REFILL_BACKOFF_INITIAL_S,
+                          _REFILL_BACKOFF_MAX_S, self._rng)
+        self._refill_at = time.monotonic() + delay
+        if reason != self.last_start_error:
+            log.error("%s failed: %s (next try in %.0f s)", what, reason, delay)
+        self.last_start_error = reason
+
+    async def _refill_one(self) -> None:
+        try:
+            await self._start_one()
+        except Exception as exc:
+            self._start_failed(exc, "starting a missing desktop")
+        else:
+            self._refill_failures = 0
+            self.last_start_error = None
 
     async def _stop_quietly(self, desktop: Desktop) -> None:
         try:
@@ -409,6 +446,11 @@ class DesktopPool:
                             lease.desktop_id, lease.owner)
                 self.counters["reclaimed"] += 1
                 await self.release(lease.lease_id, healthy=False)
+            missing = self.target_size() - len(self._desktops)
+            if (missing > 0 and self.provider.replaceable and not self._stopping
+                    and (self._refill is None or self._refill.done())
+                    and time.monotonic() >= self._refill_at):
+                self._refill = self._spawn(self._refill_one())
             idle = [d for d in self._desktops.values() if d.state == "free"]
             healthy = await asyncio.gather(*(self.provider.health(d) for d in idle))
             for desktop, ok in zip(idle, healthy, strict=True):

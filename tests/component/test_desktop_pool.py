@@ -11,7 +11,7 @@ import pytest
 
 from config import DesktopsConfig
 from env_k8s import DesktopPool, DesktopProvider
-from rollout.errors import DesktopUnavailable
+from rollout.errors import DesktopError, DesktopUnavailable
 from rollout.testing.fake_desktop import FakeProvider
 from tests import support
 
@@ -122,6 +122,44 @@ async def test_failed_reset_quarantines_and_replaces(make_pool):
     # The broken desktop is never handed out again.
     leased = {(await pool.lease(f"x{i}")).desktop_id for i in range(2)}
     assert lease.desktop_id not in leased
+
+
+class _RefusingProvider(FakeProvider):
+    """Refuses starts while ``refuse`` is set, as a cluster over its quota does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.refuse = False
+        self.refused_at: list[float] = []
+
+    async def start(self, index):
+        if self.refuse:
+            self.refused_at.append(time.monotonic())
+            raise DesktopError("HTTP 403: exceeded quota: compute-resources")
+        return await super().start(index)
+
+
+async def test_a_desktop_that_cannot_be_replaced_is_started_again_with_backoff(
+        make_pool, monkeypatch):
+    from rollout.envs import pool as pool_module
+
+    monkeypatch.setattr(pool_module, "_REFILL_BACKOFF_INITIAL_S", 0.1)
+    monkeypatch.setattr(pool_module, "_REFILL_BACKOFF_MAX_S", 0.4)
+    provider = _RefusingProvider()
+    pool = await make_pool(provider, count=2)
+    lease = await pool.lease("a")
+    provider.fail_reset.add(lease.desktop_id)
+    provider.refuse = True
+    await pool.release(lease.lease_id, healthy=False)
+    await asyncio.sleep(2.0)
+    stats = pool.stats()
+    assert stats["missing"] == 1 and "exceeded quota" in stats["last_start_error"]
+    # Tried again and again, but with backoff: the housekeeping (every 0.05 s) alone would
+    # have tried ~40 times; delays up to 0.4 s (0.2 s on average) allow ~8.
+    assert 3 <= len(provider.refused_at) <= 16, provider.refused_at
+    provider.refuse = False
+    await until(lambda: pool.stats()["missing"] == 0 and pool.stats()["free"] == 2)
+    assert pool.stats()["last_start_error"] is None
 
 
 async def test_non_replaceable_desktops_are_retried_later(make_pool):

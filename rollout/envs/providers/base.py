@@ -49,6 +49,11 @@ class DesktopProvider(abc.ABC):
     async def health(self, desktop: Desktop) -> bool:
         """Whether the desktop can be handed out."""
 
+    async def close(self) -> None:
+        """Release what the provider holds beyond its desktops (watches, clients), after
+        every desktop was stopped. Most hold nothing more."""
+        return None
+
     def capacity(self) -> int | None:
         """The most desktops this provider can have (None: no limit)."""
         return None
