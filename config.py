@@ -409,22 +409,70 @@ class VerifyConfig(_Section):
 
 
 class KubernetesDesktopsConfig(_Section):
-    """Desktops as pods in a Kubernetes cluster."""
+    """Desktops as pods of the desktop image in a Kubernetes cluster (``env_k8s.py``;
+    ``deploy/kubernetes/`` has the manifests, ``docs/kubernetes.md`` the walk-through)."""
 
     namespace: str = "default"
-    """Namespace of the desktop pods."""
+    """Namespace of the desktop pods (the provider's Role must allow pods there)."""
     image: str | None = None
-    """Container image of a desktop (see ``desktop/``)."""
+    """The desktop image (``scripts/build_desktop_image.sh``, pushed to a registry the cluster
+    pulls from). Null: the one ``pod_template`` names."""
+    pod_template: Path | None = None
+    """A YAML Pod (or a PodTemplate, whose ``template`` is used) that every desktop pod starts
+    from: volumes, affinity, annotations, sidecars ... The provider sets, over it, the name,
+    the labels below, the desktop container's image, resources, port, token and readiness
+    probe (``deploy/kubernetes/desktop-pod.yaml`` is one). Null: a pod of the image alone."""
     service_account: str | None = None
     """Service account of the pods (null: the namespace's default)."""
     cpu: str = "1"
     """CPU request and limit per pod."""
     memory: str = "2Gi"
     """Memory request and limit per pod."""
+    node_selector: dict[str, str] = {}
+    """Node labels a desktop pod must run on."""
+    tolerations: list[dict[str, Any]] = []
+    """Tolerations of the pods (Kubernetes' own form: ``{key, operator, value, effect}``)."""
+    image_pull_secrets: list[str] = []
+    """Secrets of the registry the image is pulled from."""
+    labels: dict[str, str] = {}
+    """More labels on each pod (e.g. the ones a NetworkPolicy selects)."""
     port: Annotated[int, Field(ge=1, le=65535)] = 5000
     """Port of the desktop server in the pod."""
+    token_secret: str | None = None
+    """A Secret holding the desktops' bearer token (key ``token_secret_key``), given to each
+    pod's server as ``CUA_DESKTOP_TOKEN``; the runners send the same value from
+    ``desktops.token_env``. Null: no token (a pod then accepts anyone who reaches it)."""
+    token_secret_key: str = "token"
+    """The key of the token in ``token_secret``."""
+    service_per_pod: bool = False
+    """Give each pod a Service and reach it by the Service's cluster DNS name instead of
+    the pod's IP (the provider's Role then needs services too)."""
+    kubeconfig: Path | None = None
+    """A kubeconfig file. Null: the in-cluster service account when running in a pod, else
+    ``$KUBECONFIG`` or ``~/.kube/config``."""
+    context: str | None = None
+    """The kubeconfig context (null: its current one)."""
     startup_timeout_s: PositiveFloat = 300.0
-    """Deadline for a pod to become healthy."""
+    """Deadline for a pod to be scheduled, pull its image and answer."""
+    api_timeout_s: PositiveFloat = 30.0
+    """Deadline of one API request."""
+    api_outage_s: PositiveFloat = 300.0
+    """How long the API server may be unreachable before the pool's calls fail (held leases
+    keep working meanwhile; watches are re-listed when it answers again)."""
+    heartbeat_interval_s: PositiveFloat = 30.0
+    """How often the provider marks its pods alive (an annotation); the sweep removes pods of
+    other runs whose mark is older than ``heartbeat_timeout_s``."""
+    heartbeat_timeout_s: PositiveFloat = 180.0
+    """Age of a run's heartbeat after which its pods count as leaked."""
+
+    @model_validator(mode="after")
+    def _heartbeat_outlives_its_interval(self) -> KubernetesDesktopsConfig:
+        if self.heartbeat_timeout_s <= 2 * self.heartbeat_interval_s:
+            raise ValueError(
+                f"desktops.kubernetes.heartbeat_timeout_s ({self.heartbeat_timeout_s:g}) must "
+                f"exceed twice heartbeat_interval_s ({self.heartbeat_interval_s:g}): a live "
+                "run's pods would be swept")
+        return self
 
 
 class DesktopsConfig(_Section):
@@ -497,6 +545,22 @@ class DesktopsConfig(_Section):
     """Settings of the ``container`` provider."""
     kubernetes: KubernetesDesktopsConfig = KubernetesDesktopsConfig()
     """Settings of the ``kubernetes`` provider."""
+
+    @model_validator(mode="after")
+    def _kubernetes_complete(self) -> DesktopsConfig:
+        if self.provider != "kubernetes":
+            return self
+        k = self.kubernetes
+        if k.image is None and k.pod_template is None:
+            raise ValueError("desktops.provider is kubernetes: set desktops.kubernetes.image "
+                             "(or a desktops.kubernetes.pod_template naming one)")
+        if (k.token_secret is None) != (self.token_env is None):
+            raise ValueError(
+                "desktops.provider is kubernetes: set both desktops.kubernetes.token_secret "
+                "(the Secret the pods read their token from) and desktops.token_env (the "
+                "variable the runners read the same token from); pods are reachable from the "
+                "whole cluster network")
+        return self
 
     @model_validator(mode="after")
     def _token_beyond_loopback(self) -> DesktopsConfig:

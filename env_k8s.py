@@ -1,12 +1,13 @@
-"""The desktop environment as the runner sees it (the design card's name; the Kubernetes
-provider will be entered from here): the OSWorld desktop client, the pool of desktops and
-their providers, and the contract every environment meets.
+"""The desktop environment as the runner sees it (the design card's name): the OSWorld desktop
+client, the pool of desktops and their providers — Kubernetes pods among them — and the
+contract every environment meets.
 
 The code lives in ``rollout/envs/``: ``contract.py`` (DesktopEnv, DesktopProbe, StepResult),
 ``client.py`` (RemoteDesktopEnv over ``desktop/protocol.py``), ``setup_steps.py`` (OSWorld
 setup steps), ``pool.py`` (DesktopPool, Lease), ``providers/`` (one file per provider),
 ``checker.py`` (check_desktop_env) and ``local_session.py`` (the local provider's launcher).
-Providers: ``local`` (this machine), ``static`` (by URL), ``container`` (podman / docker).
+Providers: ``local`` (this machine), ``static`` (by URL), ``container`` (podman / docker),
+``kubernetes`` (pods, through the official client: ``providers/kubernetes.py``).
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from rollout.envs.contract import (
 from rollout.envs.pool import DesktopPool, Lease
 from rollout.envs.providers import PROVIDERS, Desktop, DesktopProvider, make_provider
 from rollout.envs.providers.container import ContainerProvider
+from rollout.envs.providers.kubernetes import KubernetesProvider
 from rollout.envs.providers.local import LocalProvider
 from rollout.envs.providers.static import StaticProvider
 
@@ -45,6 +47,7 @@ __all__ = [
     "DesktopPool",
     "DesktopProbe",
     "DesktopProvider",
+    "KubernetesProvider",
     "Lease",
     "LocalProvider",
     "RemoteDesktopEnv",

@@ -120,7 +120,12 @@ desktops:
               publish_host: 127.0.0.1, network: cua, runtime: runc, extra_args: [--shm-size, 1g],
               start_timeout_s: 45}
   kubernetes: {namespace: rollout, image: desk:1, service_account: sa, cpu: "2", memory: 4Gi,
-               port: 5000, startup_timeout_s: 200}
+               port: 5000, startup_timeout_s: 200, pod_template: deploy/kubernetes/desktop-pod.yaml,
+               node_selector: {pool: desktops}, tolerations: [{key: gpu, operator: Exists}],
+               image_pull_secrets: [regcred], labels: {team: agents}, token_secret: desk-token,
+               token_secret_key: tok, service_per_pod: true, kubeconfig: /k/config,
+               context: lab, api_timeout_s: 10, api_outage_s: 60, heartbeat_interval_s: 10,
+               heartbeat_timeout_s: 60}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff_initial_s: 2,
               outage_backoff_max_s: 10, outage_give_up_s: 600}

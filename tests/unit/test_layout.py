@@ -32,7 +32,7 @@ EXPORTS = {
                "secret_from_env"],
     "env_k8s": ["DONE", "FAIL", "PROVIDERS", "SPECIAL_ACTIONS", "WAIT", "ContainerProvider",
                 "Desktop", "DesktopEnv", "DesktopPool", "DesktopProbe", "DesktopProvider",
-                "Lease", "LocalProvider",
+                "KubernetesProvider", "Lease", "LocalProvider",
                 "RemoteDesktopEnv", "StaticProvider", "StepResult", "check_desktop_env",
                 "close_shared_client", "lease_client", "make_provider", "shared_client"],
     "prompts": ["SYSTEM_PROMPT", "Turn", "build_messages", "build_prompt"],

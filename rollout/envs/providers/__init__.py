@@ -17,6 +17,7 @@ PROVIDERS: dict[str, str] = {
     "local": "rollout.envs.providers.local:LocalProvider",
     "static": "rollout.envs.providers.static:StaticProvider",
     "container": "rollout.envs.providers.container:ContainerProvider",
+    "kubernetes": "rollout.envs.providers.kubernetes:KubernetesProvider",
 }
 
 

@@ -35,7 +35,14 @@ from rollout.envs.providers.static import builtin_reset, take_baseline
 from rollout.errors import ConfigError, DesktopError
 from rollout.http import reachable_host
 
-__all__ = ["LABEL_DESKTOP", "LABEL_OWNER", "LABEL_RUN", "ContainerProvider", "run_label"]
+__all__ = [
+    "LABEL_DESKTOP",
+    "LABEL_OWNER",
+    "LABEL_RUN",
+    "ContainerProvider",
+    "run_is_gone",
+    "run_label",
+]
 
 log = logging.getLogger(__name__)
 
@@ -55,7 +62,7 @@ def run_label(pid: int | None = None) -> str:
     return f"{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
 
 
-def _run_is_gone(label: str) -> bool:
+def run_is_gone(label: str) -> bool:
     """True when ``label`` names a process of this host that no longer runs; a run of
     another host is never judged from here."""
     try:
@@ -262,7 +269,7 @@ class ContainerProvider(DesktopProvider):
         for line in out.splitlines():
             container, _, labels = line.partition(" ")
             run = _label(labels, LABEL_RUN)
-            if run and _run_is_gone(run):
+            if run and run_is_gone(run):
                 with contextlib.suppress(DesktopError):
                     await self._cli("rm", "-f", "-t", "0", container, timeout_s=30)
                     removed.append(_label(labels, LABEL_DESKTOP) or container)

@@ -1,0 +1,293 @@
+"""Desktops as Kubernetes pods, through the official client and real HTTP to a Kubernetes API
+test server (``rollout.testing.kube_api``) whose pods become real containers of the desktop
+image (``rollout.testing.kubelet``): the conformance checker on a pod desktop, readiness from
+the watch (no pod polled), each failure named or recovered from (quota, image pull,
+unschedulable, eviction and OOM kills, the API server away, an expired watch), the sweep of
+dead runs' pods (never a live run's), and the demo end to end with
+``desktops.provider: kubernetes``. No cluster runs here: what this proves is the provider
+against the API's protocol, with real desktops behind it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import secrets
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from config import DesktopsConfig
+from env_k8s import KubernetesProvider, RemoteDesktopEnv, check_desktop_env
+from rollout.envs.providers.container import run_label
+from rollout.envs.providers.kubernetes import HEARTBEAT_ANNOTATION, PROCESS_ANNOTATION
+from rollout.errors import DesktopError
+from rollout.testing.kube_api import (
+    KubeAPIServer,
+    evicted_status,
+    oom_killed_status,
+    unschedulable_status,
+)
+from rollout.testing.kubelet import ContainerKubelet
+from tests.support import REPO_ROOT, desktop_image, until
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+NAMESPACE = "rollout"
+TEMPLATE = REPO_ROOT / "deploy" / "kubernetes" / "desktop-pod.yaml"
+TOKEN_VAR = "CUA_K8S_TEST_DESKTOP_TOKEN"
+TOKEN = secrets.token_hex(16)
+RUN_TIMEOUT_S = 600
+
+
+@pytest.fixture(scope="module")
+def image() -> str:
+    return desktop_image("demo")
+
+
+class Cluster:
+    def __init__(self, server: KubeAPIServer, kubelet: ContainerKubelet | None,
+                 kubeconfig: Path) -> None:
+        self.server, self.kubelet, self.kubeconfig = server, kubelet, kubeconfig
+
+    def cfg(self, image: str, **k8s: Any) -> DesktopsConfig:
+        base: dict[str, Any] = {
+            "namespace": NAMESPACE, "image": image, "pod_template": str(TEMPLATE),
+            "token_secret": "desk-token", "kubeconfig": str(self.kubeconfig),
+            "startup_timeout_s": 120, "api_outage_s": 60, "api_timeout_s": 10,
+            "heartbeat_interval_s": 1, "heartbeat_timeout_s": 5}
+        base.update(k8s)
+        return DesktopsConfig(provider="kubernetes", count=1, warm_spares=0,
+                              screen_width=1280, screen_height=720, token_env=TOKEN_VAR,
+                              lease_timeout_s=60, reset_timeout_s=60, kubernetes=base)
+
+    def pod_gets(self) -> int:
+        """GETs of single pods: readiness must come from the watch, not from polling."""
+        return sum(1 for r in self.server.requests
+                   if r.method == "GET" and "/pods/" in r.path and "watch" not in r.query)
+
+
+def _cluster(tmp_path: Path, kubelet: ContainerKubelet | None, **kw: Any) -> Iterator[Cluster]:
+    os.environ[TOKEN_VAR] = TOKEN
+    server = KubeAPIServer(kubelet=kubelet, **kw)
+    server.start()
+    try:
+        yield Cluster(server, kubelet, server.kubeconfig(tmp_path / "kubeconfig", NAMESPACE))
+    finally:
+        server.stop()
+        if kubelet is not None:
+            kubelet.close()
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Cluster]:
+    """The API server with a kubelet that runs pods as real desktop containers."""
+    yield from _cluster(tmp_path, ContainerKubelet({("desk-token", "token"): TOKEN}))
+
+
+@pytest.fixture
+def bare_cluster(tmp_path) -> Iterator[Cluster]:
+    """The API server alone: pods stay Pending unless the test moves them."""
+    yield from _cluster(tmp_path, None)
+
+
+async def _closing(provider: KubernetesProvider, *desktops: Any) -> None:
+    for desktop in desktops:
+        await provider.stop(desktop)
+    await provider.close()
+
+
+async def test_a_pod_desktop_conforms_resets_in_place_and_is_removed(cluster, image):
+    provider = KubernetesProvider(cluster.cfg(image))
+    starts = []
+    desktops = []
+    try:
+        for index in range(2):
+            began = time.monotonic()
+            desktops.append(await provider.start(index))
+            starts.append(time.monotonic() - began)
+        desktop = desktops[0]
+        assert desktop.url.startswith("http://127.0.0.") and desktop.url.endswith(":5000")
+        pod = cluster.server.pod(NAMESPACE, desktop.id)
+        assert pod["metadata"]["labels"]["cua.run"] == provider.run
+        assert pod["spec"]["securityContext"]["runAsNonRoot"] is True  # the template's
+        env = RemoteDesktopEnv.for_lease(desktop.url, provider.cfg, name=desktop.id)
+        seen = await check_desktop_env(env, screen_size=(1280, 720))
+        assert seen["step"].returncode == 0  # pyautogui ran on the pod's display
+        env = RemoteDesktopEnv.for_lease(desktop.url, provider.cfg, name=desktop.id)
+        resets = []
+        try:  # what an episode leaves is gone after the reset in place
+            await env.execute(["bash", "-c", "echo x > ~/Desktop/left.txt"])
+            for _ in range(3):
+                began = time.monotonic()
+                await provider.reset(desktop)
+                resets.append(time.monotonic() - began)
+                assert await provider.health(desktop)
+            assert await env.get_file("/home/user/Desktop/left.txt") is None
+        finally:
+            await env.close()
+        assert cluster.pod_gets() == 0, "a pod was polled; readiness must come from the watch"
+        kubelet = sorted(round(t, 2) for t in cluster.kubelet.timings.values())
+        print(f"pod start to ready (provider, 2 in a row): {[round(s, 2) for s in starts]} s; "
+              f"kubelet create->Ready {kubelet} s; reset in place median "
+              f"{statistics.median(resets):.2f} s")
+    finally:
+        await _closing(provider, *desktops)
+    assert cluster.server.pods(NAMESPACE) == []
+    await until(lambda: not _kubelet_containers(), timeout_s=30, poll_s=0.5)
+
+
+def _kubelet_containers() -> list[str]:
+    return subprocess.run(["podman", "ps", "-aq", "--filter", "label=cua.kubelet.pod"],
+                          capture_output=True, text=True, check=True).stdout.split()
+
+
+async def test_a_quota_refusal_and_a_missing_image_are_named(cluster, image):
+    provider = KubernetesProvider(cluster.cfg(image))
+    try:
+        cluster.server.fail("create", "pods", 403, "Forbidden",
+                            'pods "x" is forbidden: exceeded quota: compute-resources, '
+                            "requested: pods=1, used: pods=4, limited: pods=4")
+        with pytest.raises(DesktopError, match=r"refused the pod: HTTP 403: .*exceeded quota: "
+                                               r"compute-resources"):
+            await provider.start(0)
+        missing = KubernetesProvider(cluster.cfg("localhost/cua-desktop:no-such-tag"))
+        try:
+            with pytest.raises(DesktopError,
+                               match=r"ErrImagePull \(localhost/cua-desktop:no-such-tag\)"):
+                await missing.start(0)
+        finally:
+            await missing.close()
+        assert cluster.server.pods(NAMESPACE) == []  # the failed pod was deleted
+    finally:
+        await provider.close()
+
+
+async def test_an_unschedulable_pod_names_the_resource_at_its_deadline(bare_cluster, image):
+    provider = KubernetesProvider(bare_cluster.cfg(image, startup_timeout_s=3))
+    try:
+        start = asyncio.ensure_future(provider.start(0))
+        await until(lambda: bare_cluster.server.pods(NAMESPACE) != [], timeout_s=10)
+        name = bare_cluster.server.pods(NAMESPACE)[0]["metadata"]["name"]
+        bare_cluster.server.update_pod_status(NAMESPACE, name, unschedulable_status())
+        with pytest.raises(DesktopError, match=r"not ready after 3 s \(Unschedulable: 0/3 "
+                                               r"nodes are available: 3 Insufficient memory"):
+            await start
+        assert bare_cluster.server.pods(NAMESPACE) == []
+    finally:
+        await provider.close()
+
+
+async def test_evicted_and_oom_killed_pods_are_unhealthy(cluster, image):
+    provider = KubernetesProvider(cluster.cfg(image))
+    desktops = []
+    try:
+        desktops = [await provider.start(i) for i in range(2)]
+        assert all([await provider.health(d) for d in desktops])
+        evicted, oom = desktops
+        cluster.server.update_pod_status(NAMESPACE, evicted.id, evicted_status())
+        pod = cluster.server.pod(NAMESPACE, oom.id)
+        cluster.server.update_pod_status(NAMESPACE, oom.id, oom_killed_status(pod))
+        for desktop in desktops:
+            for _ in range(50):
+                if not await provider.health(desktop):
+                    break
+                await asyncio.sleep(0.1)
+            assert not await provider.health(desktop), desktop.id
+            with pytest.raises(DesktopError, match=r"not ready \((Evicted|its container "
+                                                   r"ended: OOMKilled)"):
+                await provider.reset(desktop)
+    finally:
+        await _closing(provider, *desktops)
+
+
+async def test_the_api_server_away_leaves_held_desktops_working(cluster, image):
+    provider = KubernetesProvider(cluster.cfg(image))
+    desktops = []
+    try:
+        desktops.append(await provider.start(0))
+        held = desktops[0]
+        cluster.server.api_down()
+        env = RemoteDesktopEnv(held.url, provider.cfg, name=held.id)
+        try:
+            assert await env.health()            # the desktop itself needs no API
+            assert await provider.health(held)   # nor does its health
+            second = asyncio.ensure_future(provider.start(1))
+            await asyncio.sleep(3)
+            assert not second.done()             # a new desktop waits for the API
+            cluster.server.api_up()
+            desktops.append(await asyncio.wait_for(second, 120))
+            # The watch came back: an expired watch is re-listed, and readiness still
+            # arrives by events.
+            cluster.server.compact()
+            desktops.append(await provider.start(2))
+            assert await env.health()
+        finally:
+            await env.close()
+        assert cluster.pod_gets() == 0
+    finally:
+        await _closing(provider, *desktops)
+
+
+async def test_the_sweep_removes_dead_runs_pods_and_never_a_live_runs(bare_cluster, image):
+    from kubernetes import client, config
+
+    api = client.CoreV1Api(config.new_client_from_config(str(bare_cluster.kubeconfig)))
+    now = time.time()
+    host = socket.gethostname()
+    dead_pid = 4_000_000  # above pid_max: never a running process
+    pods = {
+        "stale": {HEARTBEAT_ANNOTATION: f"{now - 600:.0f}", PROCESS_ANNOTATION: "other:1:1"},
+        "live-elsewhere": {HEARTBEAT_ANNOTATION: f"{now:.0f}", PROCESS_ANNOTATION: "other:1:1"},
+        "killed-here": {HEARTBEAT_ANNOTATION: f"{now:.0f}",
+                        PROCESS_ANNOTATION: f"{host}:{dead_pid}:1"},
+        "live-here": {HEARTBEAT_ANNOTATION: f"{now:.0f}",
+                      PROCESS_ANNOTATION: run_label()},
+    }
+    for name, marks in pods.items():
+        await asyncio.to_thread(api.create_namespaced_pod, NAMESPACE, {
+            "metadata": {"name": name, "labels": {"cua.run": f"r-{name}"},
+                         "annotations": marks},
+            "spec": {"containers": [{"name": "desktop", "image": image}]}})
+    provider = KubernetesProvider(bare_cluster.cfg(image))
+    try:
+        removed = await provider.sweep()
+    finally:
+        await provider.close()
+    assert sorted(removed) == ["killed-here", "stale"]
+    left = sorted(p["metadata"]["name"] for p in bare_cluster.server.pods(NAMESPACE))
+    assert left == ["live-elsewhere", "live-here"]
+    api.api_client.close()
+
+
+def test_the_demo_on_kubernetes_desktops(cluster, image, tmp):
+    tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
+            str(REPO_ROOT / "configs" / "demo.yaml")]
+    for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=kubernetes",
+              f"desktops.token_env={TOKEN_VAR}", f"desktops.kubernetes.image={image}",
+              f"desktops.kubernetes.namespace={NAMESPACE}",
+              f"desktops.kubernetes.pod_template={TEMPLATE}",
+              "desktops.kubernetes.token_secret=desk-token",
+              f"desktops.kubernetes.kubeconfig={cluster.kubeconfig}",
+              f"tasks.task_ids={json.dumps(tasks)}", "ray.include_dashboard=false"):
+        args += ["--set", s]
+    done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, env={**os.environ, TOKEN_VAR: TOKEN})
+    assert done.returncode == 0, done.stderr[-4000:]
+    results = [json.loads(x) for x in
+               (tmp / "results" / "demo" / "results.jsonl").read_text().splitlines()]
+    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
+        (t, k) for t in tasks for k in range(2))
+    assert {r["status"] for r in results} == {"success"}, [
+        (r["task_id"], r["status"], r["error"]) for r in results]
+    assert all(r["desktop"].startswith("cua-r") for r in results)
+    assert cluster.server.pods(NAMESPACE) == [], "pods left after the run"
+    assert cluster.pod_gets() == 0
