@@ -9,9 +9,10 @@ stopping it; or, with no run alive, list and sweep what a provider left behind.
 
 A live run is found by its pool's Ray actor (``desktops:<run.name>`` in ``ray.namespace``,
 on the cluster at ``ray.address`` or the one the run's run.json names). Without one,
-``status`` lists what the provider shows (containers by label, local desktops by their state
-files). ``release`` quarantines the desktop rather than resetting it under its episode: the
-episode fails at its next call and is retried on another desktop (an infra_error).
+``status`` lists what the provider shows (containers by label, pods by label with their
+heartbeat, local desktops by their state files). ``release`` quarantines the desktop rather
+than resetting it under its episode: the episode fails at its next call and is retried on
+another desktop (an infra_error).
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ def _offline_rows(cfg: Config) -> list[dict[str, Any]]:
             rows.append({"id": desktop, "state": status, "owner": run, "url": ports,
                          "provider": {"container": cid}})
         return rows
+    if provider == "kubernetes":
+        return asyncio.run(_with_kubernetes(cfg, "list_pods"))
     if provider == "local":
         rows = []
         for session in sorted(Path(cfg.desktops.local.state_dir).glob("*/session.json")):
@@ -102,7 +105,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+async def _with_kubernetes(cfg: Config, act: str) -> Any:
+    """``list_pods`` or ``sweep`` of the Kubernetes provider, its client closed after."""
+    from rollout.envs.providers.kubernetes import KubernetesProvider
+
+    provider = KubernetesProvider(cfg.desktops)
+    try:
+        return await getattr(provider, act)()
+    finally:
+        await provider.close()
+
+
 def _sweep(cfg: Config) -> list[str]:
+    if cfg.desktops.provider == "kubernetes":
+        return asyncio.run(_with_kubernetes(cfg, "sweep"))
     if cfg.desktops.provider == "container":
         from rollout.envs.providers.container import ContainerProvider
 

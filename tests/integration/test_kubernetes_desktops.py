@@ -267,6 +267,42 @@ async def test_the_sweep_removes_dead_runs_pods_and_never_a_live_runs(bare_clust
     api.api_client.close()
 
 
+def test_the_operators_tool_lists_and_sweeps_pods_without_a_live_run(bare_cluster, image,
+                                                                     tmp_path):
+    from kubernetes import client, config
+
+    api = client.CoreV1Api(config.new_client_from_config(str(bare_cluster.kubeconfig)))
+    for name, beat in (("old-run-pod", time.time() - 3600), ("live-run-pod", time.time())):
+        api.create_namespaced_pod(NAMESPACE, {
+            "metadata": {"name": name, "labels": {"cua.run": f"r-{name}"},
+                         "annotations": {HEARTBEAT_ANNOTATION: f"{beat:.0f}",
+                                         PROCESS_ANNOTATION: "elsewhere:1:1"}},
+            "spec": {"containers": [{"name": "desktop", "image": image}]}})
+    api.api_client.close()
+    tool = [sys.executable, str(REPO_ROOT / "scripts" / "desktops.py")]
+    sets = ["--config", str(REPO_ROOT / "configs" / "demo.yaml"),
+            "--set", f"run.output_dir={tmp_path / 'results'}",
+            "--set", "desktops.provider=kubernetes", "--set", f"desktops.token_env={TOKEN_VAR}",
+            "--set", f"desktops.kubernetes.image={image}",
+            "--set", f"desktops.kubernetes.namespace={NAMESPACE}",
+            "--set", "desktops.kubernetes.token_secret=desk-token",
+            "--set", f"desktops.kubernetes.kubeconfig={bare_cluster.kubeconfig}"]
+    env = {**os.environ, TOKEN_VAR: TOKEN}
+    status = subprocess.run([*tool, "status", "--json", *sets], cwd=REPO_ROOT, env=env,
+                            capture_output=True, text=True, timeout=120)
+    assert status.returncode == 0, status.stderr
+    rows = {r["id"]: r for r in json.loads(status.stdout)["desktops"]}
+    assert set(rows) == {"old-run-pod", "live-run-pod"}
+    assert rows["old-run-pod"]["provider"]["heartbeat_age_s"] >= 3600
+    assert rows["live-run-pod"]["state"] == "Pending"
+    swept = subprocess.run([*tool, "sweep", *sets], cwd=REPO_ROOT, env=env,
+                           capture_output=True, text=True, timeout=120)
+    assert swept.returncode == 0, swept.stderr
+    assert "removed 1 desktop(s) of runs that are gone: old-run-pod" in swept.stdout
+    assert [p["metadata"]["name"] for p in bare_cluster.server.pods(NAMESPACE)] == [
+        "live-run-pod"]
+
+
 def test_the_demo_on_kubernetes_desktops(cluster, image, tmp):
     tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",

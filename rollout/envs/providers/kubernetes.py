@@ -600,7 +600,7 @@ class KubernetesProvider(DesktopProvider):
             with contextlib.suppress(asyncio.CancelledError):
                 await self._heartbeat
             self._heartbeat = None
-        if self._api is not None:
+        if self._api is not None and self._swept:  # it ran desktops (not only a listing)
             try:
                 removed = await asyncio.wait_for(self.sweep(), self.kcfg.api_timeout_s)
                 if removed:
@@ -617,6 +617,30 @@ class KubernetesProvider(DesktopProvider):
                 self._client.close()
 
     # ----------------------------------------------------------------- operators
+
+    async def list_pods(self) -> list[dict[str, Any]]:
+        """Every desktop pod of every run in the namespace, as an operator's rows (id, phase,
+        owning run and process, heartbeat age, URL): what ``scripts/desktops.py status``
+        shows without a live run."""
+        listed = await self._connect()("list_namespaced_pod", self.namespace,
+                                       label_selector=LABEL_RUN)
+        now = time.time()
+        rows = []
+        for pod in listed.items:
+            meta, status = pod.metadata, pod.status
+            annotations = meta.annotations or {}
+            try:
+                age: float | None = round(now - float(annotations[HEARTBEAT_ANNOTATION]), 1)
+            except (KeyError, ValueError):
+                age = None
+            rows.append({
+                "id": meta.name, "state": status.phase if status else None,
+                "owner": (meta.labels or {}).get(LABEL_RUN),
+                "url": (f"http://{status.pod_ip}:{self.kcfg.port}"
+                        if status is not None and status.pod_ip else None),
+                "provider": {"process": annotations.get(PROCESS_ANNOTATION),
+                             "heartbeat_age_s": age}})
+        return rows
 
     def desktop_ids(self) -> list[str]:
         return list(self._mine)
