@@ -29,9 +29,13 @@ from typing import Any
 import psutil
 
 from config import DesktopsConfig
-from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
-from rollout.envs.providers.static import builtin_reset, take_baseline
+from rollout.envs.providers.static import (
+    builtin_reset,
+    server_answers,
+    take_baseline,
+    wait_serving,
+)
 from rollout.errors import ConfigError, DesktopError
 from rollout.http import reachable_host
 
@@ -199,21 +203,17 @@ class ContainerProvider(DesktopProvider):
         return desktop
 
     async def _wait_serving(self, desktop: Desktop, started: float) -> None:
-        deadline = started + self.ccfg.start_timeout_s
-        env = RemoteDesktopEnv(desktop.url, self.cfg, name=desktop.id)
-        try:
-            while not await env.health():
-                if time.monotonic() > deadline:
-                    logs = await self._logs(desktop.id)
-                    raise DesktopError(f"{desktop.id}: the container's desktop server did not "
-                                       f"answer within {self.ccfg.start_timeout_s:g} s; its "
-                                       f"log ends:\n{logs}")
-                if not await self._running(desktop.id):
-                    raise DesktopError(f"{desktop.id}: the container exited; its log ends:\n"
-                                       f"{await self._logs(desktop.id)}")
-                await asyncio.sleep(_POLL_S)
-        finally:
-            await env.close()
+        async def gone() -> str | None:
+            if await self._running(desktop.id):
+                return None
+            return f"the container exited; its log ends:\n{await self._logs(desktop.id)}"
+
+        async def late() -> str:
+            return (f" ({self.ccfg.start_timeout_s:g} s); the container's log ends:\n"
+                    f"{await self._logs(desktop.id)}")
+
+        await wait_serving(self.cfg, desktop, started + self.ccfg.start_timeout_s,
+                           gone=gone, late=late, poll_s=_POLL_S)
 
     async def _logs(self, desktop_id: str) -> str:
         container = self._containers.get(desktop_id)
@@ -252,13 +252,7 @@ class ContainerProvider(DesktopProvider):
             await self._cli("rm", "-f", "-t", "2", container, timeout_s=30)
 
     async def health(self, desktop: Desktop) -> bool:
-        if not await self._running(desktop.id):
-            return False
-        env = RemoteDesktopEnv(desktop.url, self.cfg, name=desktop.id)
-        try:
-            return await env.health()
-        finally:
-            await env.close()
+        return await self._running(desktop.id) and await server_answers(self.cfg, desktop)
 
     async def sweep(self) -> list[str]:
         """Remove the desktop containers of runs whose process is gone from this host (by

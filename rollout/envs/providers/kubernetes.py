@@ -48,7 +48,6 @@ from urllib3.exceptions import HTTPError
 
 from config import DesktopsConfig
 from rollout.aio import backoff_s
-from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
 from rollout.envs.providers.container import (
     LABEL_DESKTOP,
@@ -57,7 +56,12 @@ from rollout.envs.providers.container import (
     run_is_gone,
     run_label,
 )
-from rollout.envs.providers.static import builtin_reset, take_baseline
+from rollout.envs.providers.static import (
+    builtin_reset,
+    server_answers,
+    take_baseline,
+    wait_serving,
+)
 from rollout.errors import ConfigError, DesktopError
 
 __all__ = [
@@ -449,7 +453,9 @@ class KubernetesProvider(DesktopProvider):
                 url = await self._service(name)
             desktop = Desktop(id=name, url=url, info={"pod": name,
                                                       "namespace": self.namespace})
-            await self._wait_serving(desktop, started)
+            # Ready in Kubernetes; from here, as the runners will reach it.
+            await wait_serving(self.cfg, desktop, started + self.kcfg.startup_timeout_s,
+                               poll_s=0.2)
             ready_s = time.monotonic() - started
             await take_baseline(self.cfg, desktop)
         except BaseException:
@@ -497,18 +503,6 @@ class KubernetesProvider(DesktopProvider):
         self._mine[name] = name
         return f"http://{name}.{self.namespace}.svc:{self.kcfg.port}"
 
-    async def _wait_serving(self, desktop: Desktop, started: float) -> None:
-        deadline = started + self.kcfg.startup_timeout_s
-        env = RemoteDesktopEnv(desktop.url, self.cfg, name=desktop.id)
-        try:
-            while not await env.health():
-                if time.monotonic() > deadline:
-                    raise DesktopError(f"{desktop.id}: ready in Kubernetes, but its server at "
-                                       f"{desktop.url} does not answer")
-                await asyncio.sleep(0.2)
-        finally:
-            await env.close()
-
     async def reset(self, desktop: Desktop) -> None:
         began = time.monotonic()
         pod = self._pods.get(desktop.id)
@@ -539,11 +533,7 @@ class KubernetesProvider(DesktopProvider):
         pod = self._pods.get(desktop.id)
         if pod is None or pod.get("deleted") or not pod_ready(pod):
             return False
-        env = RemoteDesktopEnv(desktop.url, self.cfg, name=desktop.id)
-        try:
-            return await env.health()
-        finally:
-            await env.close()
+        return await server_answers(self.cfg, desktop)
 
     # ----------------------------------------------------------------- heartbeat, sweep
 

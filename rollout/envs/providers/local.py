@@ -10,8 +10,8 @@ import os
 from typing import Any
 
 from config import DesktopsConfig
-from rollout.envs.client import RemoteDesktopEnv
 from rollout.envs.providers.base import Desktop, DesktopProvider
+from rollout.envs.providers.static import server_answers
 
 __all__ = ["LocalProvider"]
 
@@ -66,6 +66,6 @@ class LocalProvider(DesktopProvider):
         session = self._sessions.get(desktop.id)
         if session is None or not session.alive():
             return False
-        return await RemoteDesktopEnv(desktop.url, self.cfg, name=desktop.id).health()
+        return await server_answers(self.cfg, desktop)
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 
 import httpx2
 
@@ -29,7 +30,14 @@ from rollout.envs.verify import DESKTOP_SCRIPT
 from rollout.errors import DesktopError
 from rollout.http import error_text, redact_url
 
-__all__ = ["StaticProvider", "builtin_reset", "run_desktop_python", "take_baseline"]
+__all__ = [
+    "StaticProvider",
+    "builtin_reset",
+    "run_desktop_python",
+    "server_answers",
+    "take_baseline",
+    "wait_serving",
+]
 
 # Shared by both scripts: the baseline's place and HOME, with DESKTOP_SCRIPT's functions.
 _PROCESSES = DESKTOP_SCRIPT + r"""
@@ -102,6 +110,36 @@ async def run_desktop_python(cfg: DesktopsConfig, desktop: Desktop, script: str,
         raise DesktopError(f"{desktop.id}: {what} failed (exit {reply.get('returncode')}): "
                            f"{str(reply.get('error') or '').strip()[-300:]}")
     return str(reply.get("output") or "")
+
+
+async def server_answers(cfg: DesktopsConfig, desktop: Desktop) -> bool:
+    """Whether the desktop's server answers now (its health request)."""
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    try:
+        return await env.health()
+    finally:
+        await env.close()
+
+
+async def wait_serving(cfg: DesktopsConfig, desktop: Desktop, deadline: float, *,
+                       gone: Callable[[], Awaitable[str | None]] | None = None,
+                       late: Callable[[], Awaitable[str]] | None = None,
+                       poll_s: float = 0.1) -> None:
+    """Wait until a desktop that is starting answers; ``DesktopError`` past ``deadline``
+    (``time.monotonic()``) with what ``late()`` adds, or at once when ``gone()`` says why it
+    never will (its container exited)."""
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    try:
+        while not await env.health():
+            if time.monotonic() > deadline:
+                raise DesktopError(f"{desktop.id}: its server at {desktop.url} did not answer "
+                                   "in time" + (await late() if late is not None else ""))
+            reason = await gone() if gone is not None else None
+            if reason:
+                raise DesktopError(f"{desktop.id}: {reason}")
+            await asyncio.sleep(poll_s)
+    finally:
+        await env.close()
 
 
 async def take_baseline(cfg: DesktopsConfig, desktop: Desktop) -> None:
