@@ -10,9 +10,11 @@ against the API's protocol, with real desktops behind it."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import secrets
+import signal
 import socket
 import statistics
 import subprocess
@@ -303,8 +305,7 @@ def test_the_operators_tool_lists_and_sweeps_pods_without_a_live_run(bare_cluste
         "live-run-pod"]
 
 
-def test_the_demo_on_kubernetes_desktops(cluster, image, tmp):
-    tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
+def _run_command(cluster: Cluster, image: str, tmp: Path, *sets: str) -> list[str]:
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
             str(REPO_ROOT / "configs" / "demo.yaml")]
     for s in (f"run.output_dir={tmp / 'results'}", "desktops.provider=kubernetes",
@@ -313,8 +314,65 @@ def test_the_demo_on_kubernetes_desktops(cluster, image, tmp):
               f"desktops.kubernetes.pod_template={TEMPLATE}",
               "desktops.kubernetes.token_secret=desk-token",
               f"desktops.kubernetes.kubeconfig={cluster.kubeconfig}",
-              f"tasks.task_ids={json.dumps(tasks)}", "ray.include_dashboard=false"):
+              "ray.include_dashboard=false", *sets):
         args += ["--set", s]
+    return args
+
+
+def test_a_killed_drivers_pods_are_gone_after_the_next_start(cluster, image, tmp):
+    """SIGKILL of run.py: its pool actor dies with its job, and the next run's start sweeps
+    the pods it left (their process is gone from this host), before any heartbeat expires."""
+    import psutil
+
+    tasks = ["terminal-hello-file", "calc-add"]
+    args = _run_command(cluster, image, tmp, f"tasks.task_ids={json.dumps(tasks)}",
+                        "model.scripted_latency_s=1.0",
+                        "desktops.kubernetes.heartbeat_timeout_s=3600")
+    env = {**os.environ, TOKEN_VAR: TOKEN}
+    first = subprocess.Popen(args, cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL, start_new_session=True)
+    left: list[psutil.Process] = []
+    try:
+        def running_pods() -> list[dict[str, Any]]:
+            return [p for p in cluster.server.pods(NAMESPACE)
+                    if (p.get("status") or {}).get("phase") == "Running"]
+
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while len(running_pods()) < 2:
+            assert first.poll() is None and time.monotonic() < deadline
+            time.sleep(0.2)
+        time.sleep(2)  # episodes under way
+        left = psutil.Process(first.pid).children(recursive=True)
+        os.kill(first.pid, signal.SIGKILL)
+        first.wait()
+        orphans = sorted(p["metadata"]["name"] for p in cluster.server.pods(NAMESPACE))
+        assert len(orphans) == 2, orphans
+        owner = cluster.server.pod(NAMESPACE, orphans[0])["metadata"]["annotations"][
+            PROCESS_ANNOTATION]
+        pid = int(owner.rsplit(":", 2)[1])
+        # The pool actor belonged to the killed driver's job: Ray ends it.
+        end = time.monotonic() + 120
+        while psutil.pid_exists(pid) and time.monotonic() < end:
+            time.sleep(0.5)
+        assert not psutil.pid_exists(pid), "the killed run's pool actor still runs"
+        again = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                               timeout=RUN_TIMEOUT_S)
+        assert again.returncode == 0, again.stderr[-3000:]
+    finally:
+        if first.poll() is None:
+            first.kill()
+        for proc in left:  # what the killed driver started (Ray), ended by pid
+            with contextlib.suppress(psutil.NoSuchProcess):
+                proc.kill()
+    removed = [r for r in cluster.server.requests
+               if r.method == "DELETE" and any(r.path.endswith(f"/pods/{n}") for n in orphans)]
+    assert len(removed) == 2, "the next start did not delete the killed run's pods"
+    assert cluster.server.pods(NAMESPACE) == []
+
+
+def test_the_demo_on_kubernetes_desktops(cluster, image, tmp):
+    tasks = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
+    args = _run_command(cluster, image, tmp, f"tasks.task_ids={json.dumps(tasks)}")
     done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=RUN_TIMEOUT_S, env={**os.environ, TOKEN_VAR: TOKEN})
     assert done.returncode == 0, done.stderr[-4000:]
