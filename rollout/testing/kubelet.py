@@ -67,6 +67,11 @@ class ContainerKubelet:
                 self._threads.append(thread)
             thread.start()
 
+    def container_of(self, namespace: str, name: str) -> str | None:
+        """The engine's id of a pod's container (None: not running here)."""
+        with self._lock:
+            return self._containers.get((namespace, name))
+
     def close(self) -> None:
         """Remove every container this kubelet started; wait for its threads."""
         with self._lock:
