@@ -187,6 +187,26 @@ async def test_an_unschedulable_pod_names_the_resource_at_its_deadline(bare_clus
         await provider.close()
 
 
+async def test_a_per_pod_service_is_made_for_the_pod_and_removed_with_it(cluster, image):
+    """``service_per_pod``: the URL is the Service's cluster name, which does not resolve on
+    this machine, so the start fails at its deadline; the Service made for the pod (selecting
+    it alone, on its port) is deleted with it."""
+    provider = KubernetesProvider(cluster.cfg(image, service_per_pod=True,
+                                              startup_timeout_s=20))
+    try:
+        with pytest.raises(DesktopError, match=r"\.rollout\.svc:5000 did not answer"):
+            await provider.start(0)
+    finally:
+        await provider.close()
+    made = [r for r in cluster.server.requests
+            if r.method == "POST" and r.path.endswith("/services")]
+    assert len(made) == 1
+    deleted = [r for r in cluster.server.requests
+               if r.method == "DELETE" and "/services/" in r.path]
+    assert len(deleted) == 1 and deleted[0].path.rsplit("/", 1)[1].startswith("cua-r")
+    assert cluster.server.services(NAMESPACE) == [] and cluster.server.pods(NAMESPACE) == []
+
+
 async def test_evicted_and_oom_killed_pods_are_unhealthy(cluster, image):
     provider = KubernetesProvider(cluster.cfg(image))
     desktops = []
