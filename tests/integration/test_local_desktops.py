@@ -195,3 +195,31 @@ async def test_local_desktops_and_a_real_server_behind_the_static_provider_confo
     await check_desktop_env(RemoteDesktopEnv.for_lease(desktop.url, static_cfg),
                             screen_size=(cfg.screen_width, cfg.screen_height))
     await pool.release(lease.lease_id)
+
+
+async def test_a_local_desktop_on_a_network_address_requires_its_token(tmp_path, monkeypatch):
+    """``desktops.local.host``: the server binds an address other hosts reach (here this
+    machine's first non-loopback IPv4), its URL names it, and it answers only with the
+    token (which the config requires off loopback)."""
+    import httpx
+    import psutil as ps
+
+    address = next((a.address for addrs in ps.net_if_addrs().values() for a in addrs
+                    if a.family.name == "AF_INET" and not a.address.startswith("127.")), None)
+    if address is None:
+        pytest.skip("this machine has no non-loopback IPv4 address")
+    monkeypatch.setenv("LOCAL_NET_TOKEN", "tok-local-net")
+    cfg = desktops_cfg(tmp_path, count=1, token_env="LOCAL_NET_TOKEN",
+                       local={"state_dir": tmp_path / "desktops", "start_timeout_s": 60,
+                              "host": address})
+    provider = LocalProvider(cfg)
+    desktop = await provider.start(0)
+    try:
+        assert desktop.url.startswith(f"http://{address}:")
+        assert await provider.health(desktop)
+        assert httpx.post(desktop.url + "/screen_size", timeout=10).status_code == 401
+        ok = httpx.post(desktop.url + "/screen_size", timeout=10,
+                        headers={"Authorization": "Bearer tok-local-net"})
+        assert ok.status_code == 200
+    finally:
+        await provider.stop(desktop)
