@@ -227,14 +227,20 @@ def test_a_rollout_across_three_hosts_on_a_namespace_network(hosts, tmp_path):
     watcher = threading.Thread(target=watch_containers, daemon=True)
     try:
         ray_common = ["--block", "--disable-usage-stats", f"--temp-dir={ray_tmp}"]
+        # One node at a time, each waited for before the next and before vLLM starts: a
+        # raylet that does not register within Ray's fixed 30 s (2 busy cores) fails its
+        # `ray start`.
         procs.start("ray-head", hosts.argv(
             "a", RAY, "start", "--head", f"--node-ip-address={a}", f"--port={RAY_PORT}",
             "--num-cpus=1", "--include-dashboard=false", *ray_common), env)
-        for host, cpus in (("b", 1), ("c", 0)):
-            time.sleep(2)
+        _wait_for("the Ray head", lambda: _ray_nodes(hosts, env, a, 1), 120, procs,
+                  ["ray-head"])
+        for count, (host, cpus) in enumerate((("b", 1), ("c", 0)), start=2):
             procs.start(f"ray-{host}", hosts.argv(
                 host, RAY, "start", f"--address={a}:{RAY_PORT}",
                 f"--node-ip-address={hosts.ip[host]}", f"--num-cpus={cpus}", *ray_common), env)
+            _wait_for(f"Ray node {host}", lambda n=count: _ray_nodes(hosts, env, a, n), 120,
+                      procs, ["ray-head", f"ray-{host}"])
         procs.start("run_model", hosts.argv(
             "c", PYTHON, REPO_ROOT / "run_model.py", "serve", "--config",
             tmp_path / "pool.yaml"), env)
@@ -247,7 +253,7 @@ def test_a_rollout_across_three_hosts_on_a_namespace_network(hosts, tmp_path):
 
         _wait_for("a healthy model replica on host C", serving, START_TIMEOUT_S, procs,
                   ["run_model", "ray-head", "ray-b", "ray-c"])
-        nodes = _wait_for("three Ray nodes", lambda: _ray_nodes(hosts, env, a), 120, procs,
+        nodes = _wait_for("three Ray nodes", lambda: _ray_nodes(hosts, env, a, 3), 120, procs,
                           ["ray-head", "ray-b", "ray-c"])
         watcher.start()
         started = time.monotonic()
@@ -290,13 +296,18 @@ def test_a_rollout_across_three_hosts_on_a_namespace_network(hosts, tmp_path):
           f"{len(seen_ports)} containers on {c}, endpoints {sorted(endpoints)}")
 
 
-def _ray_nodes(hosts: Hosts, env: dict[str, str], head_ip: str) -> list[dict[str, Any]] | None:
-    """The live nodes, asked from host A (the test's own namespace has no route there)."""
+def _ray_nodes(hosts: Hosts, env: dict[str, str], head_ip: str, count: int
+               ) -> list[dict[str, Any]] | None:
+    """The live nodes when there are ``count``, asked from host A (the test's own namespace
+    has no route there)."""
     code = (f"import json, ray; ray.init(address='{head_ip}:{RAY_PORT}', "
             "logging_level='ERROR'); print(json.dumps([n for n in ray.nodes() if n['Alive']]))")
-    done = subprocess.run(hosts.argv("a", PYTHON, "-c", code), env=env, capture_output=True,
-                          text=True, timeout=120, cwd=REPO_ROOT)
+    try:
+        done = subprocess.run(hosts.argv("a", PYTHON, "-c", code), env=env,
+                              capture_output=True, text=True, timeout=60, cwd=REPO_ROOT)
+    except subprocess.TimeoutExpired:  # the head not answering yet
+        return None
     if done.returncode != 0:
         return None
     nodes = json.loads(done.stdout.strip().splitlines()[-1])
-    return nodes if len(nodes) == 3 else None
+    return nodes if len(nodes) == count else None
