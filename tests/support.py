@@ -115,3 +115,21 @@ def desktop_image(profile: str = "demo") -> str:
                           text=True, timeout=1800)
     assert done.returncode == 0, done.stderr[-3000:]
     return done.stdout.strip().splitlines()[-1]
+
+
+def run_results(run_dir: Path) -> list[dict[str, Any]]:
+    """The records of a run's results.jsonl."""
+    import json
+
+    return [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+
+
+def assert_every_episode_succeeded(run_dir: Path, tasks: list[str], rollouts: int = 2
+                                   ) -> list[dict[str, Any]]:
+    """Each task's ``rollouts`` episodes recorded once, every one a success; the records."""
+    results = run_results(run_dir)
+    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
+        (t, k) for t in tasks for k in range(rollouts))
+    assert {r["status"] for r in results} == {"success"}, [
+        (r["task_id"], r["status"], r["error"]) for r in results]
+    return results

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import random
 import time
 import uuid
 from collections import deque
@@ -84,7 +83,6 @@ class DesktopPool:
         self._refill_failures = 0
         self._refill_at = 0.0
         self.last_start_error: str | None = None
-        self._rng = random.Random()
         self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
                          "verify_failures": 0, "quarantined": 0, "replaced": 0,
                          "reclaimed": 0, "lease_timeouts": 0}
@@ -414,7 +412,7 @@ class DesktopPool:
         reason = str(exc)
         self._refill_failures += 1
         delay = backoff_s(self._refill_failures, _REFILL_BACKOFF_INITIAL_S,
-                          _REFILL_BACKOFF_MAX_S, self._rng)
+                          _REFILL_BACKOFF_MAX_S)
         self._refill_at = time.monotonic() + delay
         if reason != self.last_start_error:
             log.error("%s failed: %s (next try in %.0f s)", what, reason, delay)

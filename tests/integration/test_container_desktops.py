@@ -20,7 +20,7 @@ import pytest
 from config import DesktopsConfig
 from env_k8s import DesktopPool, RemoteDesktopEnv, check_desktop_env
 from rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
-from tests.support import REPO_ROOT, desktop_image
+from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -166,12 +166,7 @@ def test_the_demo_on_container_desktops(tmp, image):
         proc.send_signal(signal.SIGINT)
         _, err = proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-4000:]
-    results = [json.loads(x) for x in
-               (tmp / "results" / "demo" / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
-        (t, k) for t in tasks for k in range(2))
-    assert {r["status"] for r in results} == {"success"}, [
-        (r["task_id"], r["status"], r["error"]) for r in results]
+    results = assert_every_episode_succeeded(tmp / "results" / "demo", tasks)
     assert all(r["desktop"].startswith("ctr-") for r in results)
     assert _marked(mark) == [], "containers left running after the run"
 

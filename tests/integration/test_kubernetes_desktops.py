@@ -38,7 +38,7 @@ from rollout.testing.kube_api import (
     unschedulable_status,
 )
 from rollout.testing.kubelet import ContainerKubelet
-from tests.support import REPO_ROOT, desktop_image, until
+from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -389,12 +389,7 @@ def test_the_demo_on_kubernetes_desktops_and_a_killed_drivers_pods(cluster, imag
     removed = [r for r in cluster.server.requests
                if r.method == "DELETE" and any(r.path.endswith(f"/pods/{n}") for n in orphans)]
     assert len(removed) == 2, "the rerun's start did not delete the killed run's pods"
-    results = [json.loads(x) for x in
-               (tmp / "results" / "demo" / "results.jsonl").read_text().splitlines()]
-    assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
-        (t, k) for t in tasks for k in range(2))
-    assert {r["status"] for r in results} == {"success"}, [
-        (r["task_id"], r["status"], r["error"]) for r in results]
+    results = assert_every_episode_succeeded(tmp / "results" / "demo", tasks)
     assert all(r["desktop"].startswith("cua-r") for r in results)
     assert cluster.server.pods(NAMESPACE) == [], "pods left after the run"
     assert cluster.pod_gets() == 0

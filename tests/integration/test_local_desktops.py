@@ -207,7 +207,7 @@ async def test_a_local_desktop_on_a_network_address_requires_its_token(tmp_path,
     address = next((a.address for addrs in ps.net_if_addrs().values() for a in addrs
                     if a.family.name == "AF_INET" and not a.address.startswith("127.")), None)
     if address is None:
-        pytest.skip("this machine has no non-loopback IPv4 address")
+        support.unavailable("this machine has no non-loopback IPv4 address")
     monkeypatch.setenv("LOCAL_NET_TOKEN", "tok-local-net")
     cfg = desktops_cfg(tmp_path, count=1, token_env="LOCAL_NET_TOKEN",
                        local={"state_dir": tmp_path / "desktops", "start_timeout_s": 60,

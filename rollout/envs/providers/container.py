@@ -24,7 +24,6 @@ import shutil
 import socket
 import subprocess
 import time
-from typing import Any
 
 import psutil
 
@@ -95,7 +94,6 @@ class ContainerProvider(DesktopProvider):
         self._containers: dict[str, str] = {}  # desktop id -> container id
         self._swept = False
         self.stale_removed: list[str] = []
-        self.timings: list[dict[str, float]] = []
 
     def _engine(self) -> str:
         name = self.ccfg.engine
@@ -272,14 +270,6 @@ class ContainerProvider(DesktopProvider):
     def container_id(self, desktop_id: str) -> str | None:
         """The engine's id of a desktop's container (None: not one of this provider's)."""
         return self._containers.get(desktop_id)
-
-    def desktop_ids(self) -> list[str]:
-        """The desktops whose containers this provider runs."""
-        return list(self._containers)
-
-    def describe(self) -> dict[str, Any]:
-        return {"engine": self.engine, "image": self.ccfg.image, "run": self.run,
-                "containers": dict(self._containers)}
 
 
 def _label(labels: str, key: str) -> str | None:

@@ -32,9 +32,9 @@ import contextlib
 import copy
 import getpass
 import hashlib
+import json
 import logging
 import os
-import random
 import re
 import secrets
 import threading
@@ -203,14 +203,11 @@ class _Api:
                 raise DesktopError(f"the Kubernetes API server did not answer {method} for "
                                    f"{self.outage_s:g} s: {problem}")
             attempt += 1
-            await asyncio.sleep(backoff_s(attempt, _API_BACKOFF_INITIAL_S, _API_BACKOFF_MAX_S,
-                                          random.Random()))
+            await asyncio.sleep(backoff_s(attempt, _API_BACKOFF_INITIAL_S, _API_BACKOFF_MAX_S))
 
 
 def _status_message(exc: Any) -> str:
     """The ``message`` of an API error's Status body (the quota's words for a 403)."""
-    import json
-
     with contextlib.suppress(ValueError, TypeError, AttributeError):
         body = json.loads(exc.body)
         if isinstance(body, dict) and body.get("message"):
@@ -248,7 +245,6 @@ class KubernetesProvider(DesktopProvider):
         self._heartbeat: asyncio.Task[None] | None = None
         self._swept = False
         self.stale_removed: list[str] = []
-        self.timings: list[dict[str, float]] = []
 
     # ----------------------------------------------------------------- the client
 
@@ -340,7 +336,7 @@ class KubernetesProvider(DesktopProvider):
                     log.warning("the watch of %s's pods broke (%s); re-listing with backoff",
                                 self.run, self._watch_error)
                 self._watch_stop.wait(backoff_s(failures, _API_BACKOFF_INITIAL_S,
-                                                _API_BACKOFF_MAX_S, random.Random()))
+                                                _API_BACKOFF_MAX_S))
 
     def _post(self, kind: str, pods: list[dict[str, Any]]) -> None:
         loop = self._loop
@@ -463,7 +459,6 @@ class KubernetesProvider(DesktopProvider):
                 await self.stop(Desktop(id=name, url=""))
             raise
         desktop.info["start_s"] = round(ready_s, 3)
-        self.timings.append({"start_s": ready_s})
         return desktop
 
     async def _wait_ready(self, name: str, started: float) -> str:
@@ -631,13 +626,4 @@ class KubernetesProvider(DesktopProvider):
                 "provider": {"process": annotations.get(PROCESS_ANNOTATION),
                              "heartbeat_age_s": age}})
         return rows
-
-    def desktop_ids(self) -> list[str]:
-        return list(self._mine)
-
-    def describe(self) -> dict[str, Any]:
-        return {"namespace": self.namespace, "run": self.run, "process": self.process,
-                "pods": {name: (self._pods.get(name) or {}).get("status", {}).get("phase")
-                         for name in self._mine},
-                "watch": self._watch_error or "ok"}
 
