@@ -13,6 +13,7 @@ import types
 import typing
 from pathlib import Path
 from typing import Annotated, Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -49,6 +50,7 @@ __all__ = [
 ]
 
 PositiveInt = Annotated[int, Field(ge=1)]
+NonNegInt = Annotated[int, Field(ge=0)]
 NonNegFloat = Annotated[float, Field(ge=0)]
 PositiveFloat = Annotated[float, Field(gt=0)]
 # What a lease covers beyond an episode's deadlines: the release, the last writes, a reset.
@@ -107,6 +109,18 @@ class DynamicRolloutsConfig(_Section):
     """How many recent episodes of a task make its success rate."""
 
 
+class CheckpointBarrierConfig(_Section):
+    """Newest checkpoint first: before groups are handed out, the ``run_model.py`` pool must
+    serve the checkpoint it was last given (no rolling reload under way, every healthy
+    replica on that version). Running episodes are not held; only new groups wait."""
+
+    enabled: bool = False
+    """Hold new groups while a reload is under way or replicas serve different versions."""
+    timeout_s: NonNegFloat = 0.0
+    """Longest wait per hand-out before groups start anyway (logged); 0: wait as long as it
+    takes."""
+
+
 class TasksConfig(_Section):
     """Which tasks to roll out."""
 
@@ -128,6 +142,14 @@ class TasksConfig(_Section):
     rerun_infra_errors: bool = True
     """On a resumed run, rerun episodes whose results.jsonl line is ``infra_error`` (the new
     line replaces the old one); false keeps them as final."""
+    passes: NonNegInt = 1
+    """How many times the task set is sampled: each pass of a task is a new group of
+    rollouts (``rollouts_per_task``, or DART's dynamic number from the task's success in
+    earlier passes), started once the task's previous group is final. 0: unbounded (a
+    service that keeps sampling until stopped)."""
+    checkpoint_barrier: CheckpointBarrierConfig = CheckpointBarrierConfig()
+    """Start new groups only while the model pool serves its newest checkpoint (DART's
+    ``load_latest_model()`` before each batch)."""
 
 
 class SamplingConfig(_Section):
@@ -167,6 +189,11 @@ class ModelConfig(_Section):
     and re-read every second, so drivers and runners need no shared filesystem. Null: when
     the pool of ``model_pool.state_dir`` serves on a network address, ``run.py`` points the
     runners at its control server by itself; else they read its ``endpoints.json``."""
+    version: str | None = None
+    """The model version recorded with every step when ``model.endpoints`` are servers you
+    run (e.g. your checkpoint's tag). Null: what each server reports in ``GET /v1/models``
+    (vLLM's ``root``: the weights it loaded), else none; never the served name. Endpoints
+    ``run_model.py`` publishes carry their checkpoint's version."""
     scripted: bool = False
     """Serve the built-in scripted UI-TARS policy in-process instead (demo and tests, no GPU)."""
     scripted_error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
@@ -663,6 +690,27 @@ class StorageConfig(_Section):
     """fsync every file, append and rename (and the directories holding them) before an
     episode's results.jsonl line counts as written: slower, survives power loss, not just
     crashes."""
+    index: bool = True
+    """Keep the trainer's index of episodes and groups in a database (``python -m
+    rollout.training``; docs/training.md). The files stay the source of truth."""
+    database_url: str | None = None
+    """SQLAlchemy URL of that index (``postgresql+psycopg://user@host:5432/db`` for several
+    machines). Null: SQLite (WAL) at ``<run>/index.db``. No password here: see
+    ``database_password_env``."""
+    database_password_env: str | None = None
+    """The environment variable holding the database password (null: none)."""
+
+    @model_validator(mode="after")
+    def _no_password_in_url(self) -> StorageConfig:
+        url = self.database_url
+        if url is not None:
+            if "://" not in url:
+                raise ValueError(f"storage.database_url {url!r} is not a URL "
+                                 "(dialect+driver://user@host:port/database)")
+            if urlsplit(url).password:
+                raise ValueError("storage.database_url holds a password: remove it and name "
+                                 "the variable holding it in storage.database_password_env")
+        return self
 
 
 class MonitoringConfig(_Section):

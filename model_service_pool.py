@@ -33,7 +33,7 @@ from rollout.openai_protocol import (
     MODELS_PATH,
     chat_request_body,
     parse_chat_completion,
-    served_context,
+    served_card,
 )
 from rollout.screenshot import DataURL
 
@@ -55,7 +55,11 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 _STICKY_SESSIONS_MAX = 100_000     # sessions remembered for stickiness (LRU beyond this)
-_STATE_CHECK_INTERVAL_S = 1.0      # how often the state file's mtime is looked at
+# How often the state file's mtime is looked at: about every request (a stat), so a request
+# sent after run_model.py published a replica's new version or its draining is labelled and
+# routed by it (the version a step records is exact, not up to a second late).
+_STATE_CHECK_INTERVAL_S = 0.02
+_STATE_URL_INTERVAL_S = 1.0        # how often endpoints_url is asked (a request, not a stat)
 # While no endpoint is live, how often (at most) they are probed again: a reload or a restart
 # is noticed within this much of its end.
 _OUTAGE_PROBE_MAX_S = 2.0
@@ -93,6 +97,7 @@ class Endpoint:
     last_error: str | None = None
     max_model_len: int | None = None   # its context, from GET /v1/models (None: unknown)
     context_asked: bool = False        # that question was answered (once per endpoint)
+    published: bool = False            # listed by run_model.py (its version is the list's)
 
     @functools.cached_property
     def label(self) -> str:
@@ -306,8 +311,14 @@ class ModelServicePool:
                                        + listed, outage=True)
             tried.add(endpoint.url)
             try:
+                if not endpoint.context_asked:
+                    endpoint.outstanding += 1  # picked: count it while asking, as routing does
+                    try:
+                        await self._describe(endpoint)
+                    finally:
+                        endpoint.outstanding -= 1
                 if least_tokens is not None:
-                    await self._check_context(endpoint, *least_tokens)
+                    self._check_context(endpoint, *least_tokens)
                 return await self._send(endpoint, content, attempt + 1)
             except _Transient as exc:
                 last_error = f"{endpoint.label}: {exc}"
@@ -458,19 +469,31 @@ class ModelServicePool:
             await asyncio.sleep(backoff_s(checks, _OUTAGE_PROBE_INITIAL_S, _OUTAGE_PROBE_MAX_S,
                                           self._rng))
 
-    async def _check_context(self, endpoint: Endpoint, needed: int, what: str) -> None:
+    async def _describe(self, endpoint: Endpoint) -> None:
+        """Ask ``GET /v1/models`` once per endpoint (and again after a new checkpoint): its
+        context (vLLM's ``max_model_len``) and, for an endpoint ``run_model.py`` does not
+        publish, its version: ``model.version``, else the weights the server says it loaded
+        (vLLM's ``root``), else none."""
+        if endpoint.context_asked:
+            return
+        try:
+            r = await self._http(endpoint).get(endpoint.url + MODELS_PATH,
+                                               timeout=self.cfg.connect_timeout_s)
+        except httpx2.HTTPError:
+            return  # unreachable now: the request itself finds out, and is retried
+        endpoint.context_asked = True
+        card = served_card(r.content, self.cfg.name) if r.status_code == 200 else None
+        endpoint.max_model_len = card.max_model_len if card is not None else None
+        if not endpoint.published:
+            endpoint.model_version = self.cfg.version or (card.root if card else None)
+            if endpoint.model_version is None:
+                log.warning("%s does not say which weights it serves (no root in GET %s) and "
+                            "model.version is not set: its steps record no model version",
+                            endpoint.label, MODELS_PATH)
+
+    def _check_context(self, endpoint: Endpoint, needed: int, what: str) -> None:
         """Raise ``ContextTooShort`` when ``endpoint`` serves a context under ``needed``
-        tokens. Its context is asked once (``GET /v1/models``); a server that does not say
-        is not checked."""
-        if not endpoint.context_asked:
-            try:
-                r = await self._http(endpoint).get(endpoint.url + MODELS_PATH,
-                                                   timeout=self.cfg.connect_timeout_s)
-            except httpx2.HTTPError:
-                return  # unreachable now: the request itself finds out, and is retried
-            endpoint.context_asked = True
-            if r.status_code == 200:
-                endpoint.max_model_len = served_context(r.content, self.cfg.name)
+        tokens (``_describe`` asked it; a server that does not say is not checked)."""
         if endpoint.max_model_len is not None and needed > endpoint.max_model_len:
             raise ContextTooShort(needed, endpoint.max_model_len, what, endpoint.label)
 
@@ -515,7 +538,7 @@ class ModelServicePool:
             return Generation(
                 text=reply.text,
                 endpoint=endpoint.label,
-                model_version=endpoint.model_version or reply.model,
+                model_version=endpoint.model_version,
                 latency_s=self._clock() - started,
                 prompt_tokens=reply.prompt_tokens,
                 completion_tokens=reply.completion_tokens,
@@ -588,7 +611,7 @@ class ModelServicePool:
 
     async def _state_url_loop(self) -> None:
         while True:
-            await asyncio.sleep(_STATE_CHECK_INTERVAL_S)
+            await asyncio.sleep(_STATE_URL_INTERVAL_S)
             await self._read_state_url()
 
     async def _read_state_url(self) -> None:
@@ -632,6 +655,7 @@ class ModelServicePool:
             url = str(entry["url"]).rstrip("/")
             seen.add(url)
             endpoint = self._endpoints.setdefault(url, Endpoint(url))
+            endpoint.published = True
             if endpoint.model_version != entry.get("model_version"):
                 endpoint.context_asked = False  # a new checkpoint may serve another context
             endpoint.model_version = entry.get("model_version")

@@ -22,6 +22,7 @@ import signal
 import sys
 import time
 import uuid
+from collections.abc import Callable
 from contextlib import ExitStack
 from dataclasses import dataclass
 from importlib import metadata
@@ -38,7 +39,6 @@ from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.http import error_text, is_loopback, redact_url, redact_urls
 from rollout.layout import RUN_LOCK_FILE
 from rollout.progress import Progress
-from rollout.types import SCORED_STATUSES
 from task_loader import TaskLoader
 
 __all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
@@ -195,6 +195,40 @@ def _published_endpoints(cfg: Config) -> tuple[Config, str | None]:
             f"{error_text(r) if r.status_code != 200 else 'not an endpoint list'}"
             + (" (model.api_key_env must name the pool's key)" if r.status_code == 401 else ""))
     return cfg, None
+
+
+def _checkpoint_barrier(cfg: Config, model_state_dir: str | None
+                        ) -> Callable[[], str | None] | None:
+    """tasks.checkpoint_barrier: a question for the loader, "why is the pool not serving its
+    newest checkpoint?", answered from run_model.py's endpoint list (its state file, or its
+    control server's /endpoints). None when the barrier is off."""
+    if not cfg.tasks.checkpoint_barrier.enabled:
+        return None
+    import httpx
+
+    from config import secret_from_env
+    from rollout.fleet.state import read_state
+    from rollout.fleet.watch import newest_not_served
+
+    if model_state_dir is not None:
+        state_dir = Path(model_state_dir)
+        return lambda: newest_not_served(read_state(state_dir))
+    url = cfg.model.endpoints_url
+    if url is None:
+        raise ConfigError("tasks.checkpoint_barrier needs a run_model.py pool (model.endpoints "
+                          "and model.scripted have no checkpoints to wait for)")
+    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
+    headers = {"Authorization": f"Bearer {key}"} if key else {}
+
+    def ask() -> str | None:
+        try:
+            r = httpx.get(url, headers=headers, timeout=_ENDPOINT_PROBE_TIMEOUT_S)
+            state = r.json() if r.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            state = None
+        return newest_not_served(state)
+
+    return ask
 
 
 def _absolute_paths(cfg: Config) -> Config:
@@ -415,7 +449,8 @@ def run(cfg: Config) -> int:
         })
         # Read results.jsonl after the storage repaired a line a crash may have cut. Tasks
         # that cannot be set up or scored here are reported and skipped now (pre-flight).
-        loader = TaskLoader(cfg.tasks, run_dir, check=TaskChecker(cfg))
+        loader = TaskLoader(cfg.tasks, run_dir, check=TaskChecker(cfg),
+                            barrier=_checkpoint_barrier(cfg, model_state_dir))
         summary = None
         fatal: str | None = None
         try:
@@ -442,8 +477,8 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
     stopped it (an error no retry fixes), why."""
     import ray
 
-    service = cfg.tasks.poll_interval_s > 0
     next_task_poll = 0.0
+    more = True  # the loader may have episodes to hand out (results came in, a barrier)
     done_before: int | None = None
     done = 0
     progress: Progress | None = None
@@ -456,19 +491,23 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
             if interrupts.count >= 2 and not cancelled:
                 cancelled = True
                 ray.get(coordinator.cancel_all.remote(), timeout=_CALL_TIMEOUT_S)
-            if not drained and time.monotonic() >= next_task_poll:
-                specs = loader.poll()
+            due = time.monotonic() >= next_task_poll
+            if not drained and (due or more or loader.waiting):
+                # Re-read the source when due (service mode); else hand out what results
+                # made possible (the next group of a task whose group is final).
+                specs = loader.poll(refresh=due)
                 if specs:
                     ray.get(coordinator.submit.remote(specs), timeout=_CALL_TIMEOUT_S)
-                next_task_poll = time.monotonic() + (cfg.tasks.poll_interval_s or 1e9)
+                if due:
+                    next_task_poll = time.monotonic() + (cfg.tasks.poll_interval_s or 1e9)
+                more = False
                 if done_before is None:  # known once the loader has read the task source
                     done_before = loader.finished_before()
             out = ray.get(coordinator.poll.remote(), timeout=_CALL_TIMEOUT_S)
             for record in out["finished"]:
                 done += 1
-                loader.record_result(record["task_id"], record["domain"],
-                                     record.get("reward") if record.get("status") in
-                                     SCORED_STATUSES else None)
+                loader.record_result(record)
+                more = True
             stats = out["stats"]
             fatal = stats.get("fatal")
             if fatal and not drained:
@@ -479,7 +518,7 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                 progress = Progress(cfg.monitoring.progress_bar, total, before)
             note = ("stopping: " + fatal if fatal else
                     "draining" if drained and not cancelled else
-                    "cancelling" if cancelled else stats.get("waiting") or "")
+                    "cancelling" if cancelled else loader.waiting or stats.get("waiting") or "")
             progress.update(before + done, total, stats, note)
             idle = stats["episodes_in_flight"] == 0 and (
                 drained or stats["episodes_queued"] == 0)
@@ -487,9 +526,9 @@ def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _I
                 return "stopped", fatal
             if idle and drained:
                 return "interrupted", None
-            # Everything was submitted at the first poll (retries wait in the coordinator's
+            # Every pass of every task was handed out (retries wait in the coordinator's
             # queue), so once nothing is queued or running the run is complete.
-            if idle and not service and done_before is not None and not drained:
+            if idle and not more and loader.exhausted() and not drained:
                 return "finished", None
             time.sleep(_POLL_INTERVAL_S)
     finally:

@@ -7,6 +7,11 @@ episode's files are written in call order and ``record_result`` (the results.jso
 lands after that episode's other files. The queues are bounded: a caller that awaits its
 call waits for room, which is the backpressure runners feel when the disk falls behind.
 
+The trainer's index (``rollout.training``: episodes and groups in SQLite or PostgreSQL) is
+fed from the same results, after their line is written, by one index task that batches them
+into transactions; it never holds up a result, and a database that fails is retried with
+backoff (results.jsonl stays the source of truth; the next start re-syncs the index).
+
 The storage never lies: a write that fails (disk full, I/O error) is remembered for its
 episode's attempt; ``finish_episode`` answers with it, so the runner turns the episode into an
 error instead of a result whose files are missing; ``record_result`` raises ``StorageError``
@@ -31,7 +36,7 @@ import aiofiles
 import aiofiles.os
 
 from config import StorageConfig
-from rollout.aio import call
+from rollout.aio import backoff_s, call
 from rollout.errors import StorageError
 from rollout.files import append_text, iter_jsonl, read_json, repair_jsonl_tail, write_atomic
 from rollout.layout import (
@@ -53,6 +58,10 @@ log = logging.getLogger(__name__)
 # Size of the parts a screenshot is sent in (write_step): below Ray's inline limit for
 # call arguments (max_direct_call_object_size, 100 KiB by default) with room for framing.
 PART_BYTES = 64 * 1024
+# Results written to the index per transaction at most, and how long the end of a run waits
+# for a lagging index before it says how to catch it up.
+_INDEX_BATCH = 256
+_INDEX_DRAIN_S = 30.0
 # Writers per actor: episodes are hashed over them, so disk latency of one episode's file
 # does not hold up the others; 4 keeps the thread pool busy without reordering anything.
 _WRITERS = 4
@@ -87,7 +96,12 @@ class StorageActor:
         self._root = self.run_dir.resolve()
         self._run_info: dict[str, Any] = {}
         self.counters = {"steps": 0, "screenshots": 0, "episodes": 0, "results": 0,
-                         "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0}
+                         "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0,
+                         "indexed": 0, "groups": 0, "index_errors": 0}
+        self._index: Any = None                       # rollout.training.TrainingIndex
+        self._index_queue: asyncio.Queue[dict[str, Any]] | None = None
+        self._index_task: asyncio.Task[None] | None = None
+        self._index_pending = 0                       # records queued or being written
 
     # ----------------------------------------------------------------- run
 
@@ -117,11 +131,19 @@ class StorageActor:
             starts.append({k: previous.get(k) for k in ("started_at", "ended_at", "status")})
             self._run_info["previous_starts"] = starts
         await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
-        return {"results_tail_cut_bytes": cut, "results_compacted": compacted}
+        synced = await self._open_index() if self.cfg.index else None
+        return {"results_tail_cut_bytes": cut, "results_compacted": compacted,
+                "index": synced}
 
     async def end_run(self, status: str, summary: dict[str, Any] | None = None) -> None:
-        """Flush everything, then mark run.json ended with ``status``."""
+        """Flush everything (the index for at most ``_INDEX_DRAIN_S``), then mark run.json
+        ended with ``status``."""
         await self.flush()
+        if not await self._drain_index(_INDEX_DRAIN_S):
+            log.error("storage: the index is %d episode(s) behind (%s); results.jsonl has "
+                      "them: `python -m rollout.training reindex %s` catches it up",
+                      self._index_pending, self.last_error, self.run_dir)
+            self._run_info["index_behind"] = self._index_pending
         self._run_info.update(ended_at=time.time(), status=status)
         if summary is not None:
             self._run_info["summary"] = summary
@@ -199,7 +221,7 @@ class StorageActor:
 
     def stats(self) -> dict[str, Any]:
         return {**self.counters, "queued": sum(q.qsize() for q in self._queues),
-                "last_error": self.last_error}
+                "index_pending": self._index_pending, "last_error": self.last_error}
 
     async def close(self) -> None:
         await self.flush()
@@ -208,6 +230,75 @@ class StorageActor:
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers = []
         self._queues = []
+        if self._index_task is not None:
+            self._index_task.cancel()
+            await asyncio.gather(self._index_task, return_exceptions=True)
+            self._index_task = None
+        if self._index is not None:
+            await asyncio.to_thread(self._index.close)
+            self._index = None
+
+    # ----------------------------------------------------------------- the index
+
+    async def _open_index(self) -> dict[str, Any]:
+        """Open the trainer's index and bring it up to date with results.jsonl (a crash
+        between a line and its index write, a rerun, a deleted database). A database that
+        cannot be opened is a ``StorageError`` naming it: the run does not start."""
+        from rollout.training import TrainingIndex, default_url, index_url
+
+        url = index_url(self.cfg.database_url or default_url(self.run_dir),
+                        self.cfg.database_password_env)
+        try:
+            self._index = await asyncio.to_thread(TrainingIndex, url)
+            synced = await asyncio.to_thread(self._index.reindex, self.run_dir, self._run_name)
+        except Exception as exc:
+            raise StorageError(f"storage.database_url: the trainer's index cannot be used: "
+                               f"{exc}") from exc
+        self._index_queue = asyncio.Queue()
+        self._index_task = asyncio.create_task(self._index_writer())
+        return synced
+
+    @property
+    def _run_name(self) -> str:
+        return str(self._run_info.get("run") or self.run_dir.name)
+
+    async def _index_writer(self) -> None:
+        """Write queued results to the index, as many per transaction as are waiting; a
+        failing database is retried with backoff, never skipped."""
+        assert self._index_queue is not None
+        failures = 0
+        while True:
+            batch = [await self._index_queue.get()]
+            while len(batch) < _INDEX_BATCH and not self._index_queue.empty():
+                batch.append(self._index_queue.get_nowait())
+            while True:
+                try:
+                    groups = await asyncio.to_thread(self._index.record_episodes,
+                                                     self._run_name, str(self.run_dir), batch)
+                    break
+                except Exception as exc:
+                    failures += 1
+                    self.counters["index_errors"] += 1
+                    self.last_error = f"index: {type(exc).__name__}: {exc}"
+                    if failures == 1:
+                        log.error("storage: %s (retrying; results.jsonl has the episodes)",
+                                  self.last_error)
+                    await asyncio.sleep(backoff_s(failures, 0.5, 30.0))
+            if failures:
+                log.info("storage: the index is written again")
+                failures = 0
+            self.counters["indexed"] += len(batch)
+            self.counters["groups"] += len(groups)
+            self._index_pending -= len(batch)
+
+    async def _drain_index(self, timeout_s: float) -> bool:
+        """Wait until every queued result is in the index; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while self._index_pending and self._index_task is not None:
+            if time.monotonic() >= deadline:
+                return False
+            await asyncio.sleep(0.02)
+        return True
 
     # ----------------------------------------------------------------- internals
 
@@ -300,6 +391,9 @@ class StorageActor:
                 await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
                                         _dumps(record) + "\n", fsync=self.cfg.fsync)
             self.counters["results"] += 1
+            if self._index_queue is not None:
+                self._index_pending += 1
+                self._index_queue.put_nowait(record)
             return
         if self._attempts.get(job.episode_id) != job.attempt:
             # A write of an attempt that was superseded (its runner died and the episode

@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import re
+import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -356,14 +357,22 @@ class TaskLoader:
     """Hands out each episode of the configured tasks once.
 
     ``poll()`` returns the episodes not handed out before and not finished in
-    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other. With
-    ``poll_interval_s == 0`` everything comes on the first poll and nothing after; in service
-    mode each poll re-reads the source (only files whose mtime or size changed) and returns
-    what is new. ``problems`` lists the tasks that could not be loaded right now.
+    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other. A task is
+    sampled ``tasks.passes`` times (0: without end): each pass is a new group of rollouts,
+    planned when the task's previous group is final (every rollout has its result, fed in
+    with ``record_result``), its size ``rollouts_per_task`` or DART's dynamic number from the
+    success of the task's earlier episodes. Rollout ``i`` of pass ``p`` is rollout number
+    ``p * rollouts_per_task + i`` (its directory), so a resumed run finds each group again.
+    With ``poll_interval_s == 0`` the source is read once; in service mode ``poll(refresh=
+    True)`` re-reads it (only files whose mtime or size changed) and adds what is new.
+    ``barrier`` (newest checkpoint first) is asked before a hand-out plans new groups: None
+    lets them start, a reason holds them (``waiting`` says it). ``problems`` lists the tasks
+    that could not be loaded right now.
     """
 
     def __init__(self, cfg: TasksConfig, run_dir: Path,
-                 check: Callable[[dict[str, Any]], list[Any]] | None = None) -> None:
+                 check: Callable[[dict[str, Any]], list[Any]] | None = None,
+                 barrier: Callable[[], str | None] | None = None) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         # Pre-flight (rollout.evaluation.preflight.TaskChecker): a task it finds problems
@@ -380,7 +389,11 @@ class TaskLoader:
         self._logged: set[TaskProblem] = set()
         self._handed_out: dict[str, set[int]] = {}
         self._finished: dict[str, set[int]] = {}
+        self._planned: dict[str, dict[int, int]] = {}  # task -> {pass: group size}
         self._rewards: dict[str, deque[float]] = {}
+        self._barrier = barrier
+        self._barrier_since: float | None = None
+        self.waiting: str | None = None  # why new groups are held (the barrier), or None
         # total_known() between changes: the driver asks twice a second, a week long (L2).
         self._total: int | None = None
         self._read_results()
@@ -392,30 +405,67 @@ class TaskLoader:
         """Tasks that could not be loaded at the last poll (path, field at fault, message)."""
         return list(self._problems)
 
-    def poll(self) -> list[EpisodeSpec]:
-        """Episodes to start now: new tasks, or more rollouts of a known task."""
-        if self._polled and not self._service:
-            return []
-        self._refresh()
+    def poll(self, refresh: bool = True) -> list[EpisodeSpec]:
+        """Episodes to start now: rollouts of groups already planned (a resumed run's), and
+        the next group of each task whose groups so far are final. ``refresh``: re-read the
+        source first (the first poll always reads it; later ones only in service mode)."""
+        if not self._polled or (refresh and self._service):
+            self._refresh()
+            self._total = None
         self._polled = True
-        self._total = None
         specs: list[EpisodeSpec] = []
+        may_plan: bool | None = None  # the barrier, asked once per poll and only if needed
         for t in self._tasks:
             group = f"{t.domain}/{t.task_id}"
-            done = self._finished.get(group, set())
+            done = self._finished.setdefault(group, set())
             handed = self._handed_out.setdefault(group, set())
-            for rollout in range(self.rollouts_for(t.task_id, t.domain)):
-                if rollout in handed or rollout in done:
-                    continue
-                handed.add(rollout)
-                specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task))
+            planned = self._planned.setdefault(group, {})
+            if self._more_passes(planned) and all(
+                    set(self._rollouts(p, n)) <= done for p, n in planned.items()):
+                if may_plan is None:
+                    may_plan = self._may_plan()
+                if may_plan:
+                    planned[max(planned, default=-1) + 1] = self.rollouts_for(t.task_id,
+                                                                              t.domain)
+                    self._total = None
+            for p, n in planned.items():
+                for rollout in self._rollouts(p, n):
+                    if rollout in handed or rollout in done:
+                        continue
+                    handed.add(rollout)
+                    specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task,
+                                             pass_index=p, group_size=n))
         return specs
 
-    def record_result(self, task_id: str, domain: str, reward: float | None) -> None:
-        """Feed an episode's reward into its task's success-rate window (``None``, as for
-        an infra error, is not a score and is ignored)."""
-        if reward is None:
+    def exhausted(self) -> bool:
+        """Nothing more will be handed out: not a service, every pass of every task
+        planned and handed out (results may still be coming)."""
+        if self._service or not self._polled:
+            return False
+        for t in self._tasks:
+            group = f"{t.domain}/{t.task_id}"
+            planned = self._planned.get(group, {})
+            if self._more_passes(planned):
+                return False
+            handed = self._handed_out.get(group, set()) | self._finished.get(group, set())
+            if any(not set(self._rollouts(p, n)) <= handed for p, n in planned.items()):
+                return False
+        return True
+
+    def record_result(self, record: dict[str, Any]) -> None:
+        """An episode is final (a results.jsonl record): its rollout is done, its group may
+        be complete, and its reward, when scored, feeds the task's success-rate window (an
+        infra error's is not a score). A cancelled episode is not final: it runs again."""
+        if record.get("status") == "cancelled":
             return
+        task_id, domain = record["task_id"], record["domain"]
+        self._finished.setdefault(f"{domain}/{task_id}", set()).add(int(record["rollout"]))
+        self._total = None
+        reward = record.get("reward")
+        if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
+            self._record_reward(task_id, domain, reward)
+
+    def _record_reward(self, task_id: str, domain: str, reward: float) -> None:
         self._total = None  # the rate may change a task's rollout number
         window = self._rewards.setdefault(
             f"{domain}/{task_id}", deque(maxlen=self.cfg.dynamic_rollouts.window)
@@ -440,16 +490,20 @@ class TaskLoader:
         return n
 
     def total_known(self) -> int:
-        """Episodes of all tasks known so far, finished ones included (the progress total);
-        computed again only after a poll or a result."""
+        """Episodes of all tasks known so far, finished ones included (the progress total):
+        the groups planned, and for passes not planned yet the rollout number each task gets
+        now (with passes: 0, only what is planned); computed again only after a change."""
         if self._total is not None:
             return self._total
         total = 0
+        passes = self.cfg.passes
         for t in self._tasks:
             group = f"{t.domain}/{t.task_id}"
-            rollouts = set(range(self.rollouts_for(t.task_id, t.domain)))
+            planned = self._planned.get(group, {})
+            rollouts = {r for p, n in planned.items() for r in self._rollouts(p, n)}
             rollouts |= self._handed_out.get(group, set()) | self._finished.get(group, set())
-            total += len(rollouts)
+            unplanned = max(0, passes - len(planned)) if passes else 0
+            total += len(rollouts) + unplanned * self.rollouts_for(t.task_id, t.domain)
         self._total = total
         return total
 
@@ -458,6 +512,35 @@ class TaskLoader:
         return sum(len(self._finished.get(f"{t.domain}/{t.task_id}", ())) for t in self._tasks)
 
     # ----------------------------------------------------------------- internals
+
+    def _rollouts(self, pass_index: int, size: int) -> range:
+        start = pass_index * self.cfg.rollouts_per_task
+        return range(start, start + size)
+
+    def _more_passes(self, planned: dict[int, int]) -> bool:
+        return self.cfg.passes == 0 or len(planned) < self.cfg.passes
+
+    def _may_plan(self) -> bool:
+        """Ask the barrier whether new groups may start; past ``timeout_s`` they start
+        anyway (logged)."""
+        reason = self._barrier() if self._barrier is not None else None
+        if reason is None:
+            if self.waiting is not None:
+                logger.info("new groups start: %s no longer holds them", self.waiting)
+            self.waiting, self._barrier_since = None, None
+            return True
+        now = time.monotonic()
+        if self._barrier_since is None:
+            self._barrier_since = now
+            logger.info("new groups wait for the newest checkpoint: %s", reason)
+        self.waiting = f"waiting for the newest checkpoint: {reason}"
+        timeout = self.cfg.checkpoint_barrier.timeout_s
+        if timeout and now - self._barrier_since >= timeout:
+            logger.warning("new groups start after %.0fs although %s", timeout, reason)
+            self._barrier_since = now  # the next hand-out waits its own timeout again
+            self.waiting = None
+            return True
+        return False
 
     @staticmethod
     def _make_source(cfg: TasksConfig) -> _Source:
@@ -546,16 +629,30 @@ class TaskLoader:
                         logger.warning("%s:%d: unreadable result line skipped (%s)", path,
                                        line.number, exc)
                         continue
-                    last[key] = (record.get("status"), record.get("reward"))
+                    last[key] = (record.get("status"), record.get("reward"),
+                                 record.get("pass_index"), record.get("group_size"))
         except FileNotFoundError:
             return
         rerun = self.cfg.rerun_infra_errors
-        for (domain, task_id, rollout), (status, reward) in last.items():
+        stride = self.cfg.rollouts_per_task
+        for (domain, task_id, rollout), (status, reward, pass_index, size) in last.items():
+            group = f"{domain}/{task_id}"
+            # A group whose results say how big it was is planned again as it was (a run
+            # from before passes says nothing: its pass 0 is planned anew, as then).
+            if isinstance(size, int) and size > 0:
+                if not isinstance(pass_index, int) or pass_index < 0:
+                    pass_index = rollout // stride
+                if rollout not in self._rollouts(pass_index, size) or size > stride:
+                    raise ConfigError(
+                        f"{path}: rollout {rollout} of {group} is in pass {pass_index} of "
+                        f"{size} rollouts, which tasks.rollouts_per_task={stride} cannot "
+                        "place: resume it with the rollouts_per_task it was started with")
+                self._planned.setdefault(group, {})[pass_index] = size
             if rerun and status == "infra_error":
                 continue
-            self._finished.setdefault(f"{domain}/{task_id}", set()).add(rollout)
+            self._finished.setdefault(group, set()).add(rollout)
             if status in SCORED_STATUSES and isinstance(reward, int | float):
-                self.record_result(task_id, domain, reward)
+                self._record_reward(task_id, domain, reward)
 
     @staticmethod
     def _episode_key(record: Any) -> tuple[str, str, int]:

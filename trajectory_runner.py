@@ -42,7 +42,7 @@ from rollout.evaluation import Evaluator
 from rollout.layout import screenshot_name
 from rollout.monitoring import Metrics
 from rollout.screenshot import Screenshot
-from rollout.trajectory import ScreenshotFiles, step_record
+from rollout.trajectory import ScreenshotFiles, discarded_generation, image_spans, step_record
 from rollout.types import (
     SUCCESS_REWARD,
     EpisodeResult,
@@ -183,7 +183,8 @@ class _Episode:
         self.decider = Decider(runner.cfg.runner)
         self.last_action: str | None = None
         self.endpoints: list[str] = []
-        self.model_version: str | None = None
+        self.model_version: str | None = None   # of the last generation
+        self.model_versions: list[str] = []     # every version a generation came from, in order
         self.desktop: str | None = None
         self.env: DesktopEnv | None = None
         self.timing = {"model_s": 0.0, "env_s": 0.0, "overhead_s": 0.0, "reset_s": 0.0,
@@ -292,13 +293,16 @@ class _Episode:
             note=runner_cfg.prompt_note,
         )
         self.last_messages = messages
-        generation, parsed, retries, model_s = await self._generate(messages, width, height)
-        self.history.append(Turn(shot, generation.text))
-        self._forget_old_screenshot()
+        generation, parsed, discarded, model_s = await self._generate(messages, width, height)
         sampling = self.cfg.model.sampling
-        record = step_record(step, generation, parsed, retries, self.files.file_of(shot),
+        record = step_record(step, generation, parsed, len(discarded), self.files.file_of(shot),
                              token_ids=sampling.return_token_ids, logprobs=sampling.logprobs,
                              constrained=self.cfg.model.constrain_actions)
+        if discarded:
+            record["discarded"] = discarded
+        self._record_images(record, messages, generation, width, height)
+        self.history.append(Turn(shot, generation.text))
+        self._forget_old_screenshot()
         self.steps = step
 
         env_started = time.monotonic()
@@ -342,11 +346,34 @@ class _Episode:
             self.timing[key] += timing[key]
         self.r.step_done(timing)
 
+    def _record_images(self, record: dict[str, Any], messages: list[dict[str, Any]],
+                       generation: Generation, width: int, height: int) -> None:
+        """What rebuilding the multimodal prompt needs: each image of the request in order
+        (its file, its placeholder token count) and, when the server returned the prompt's
+        token ids, where those placeholders are in them."""
+        model = self.cfg.model
+        tokens = image_tokens(width, height, min_pixels=model.min_pixels,
+                              max_pixels=model.max_pixels)
+        files = self.files.image_files(messages)
+        record["images"] = [{"file": f, "tokens": tokens} for f in files]
+        if generation.prompt_token_ids is not None:
+            record["image_spans"] = image_spans(generation.prompt_token_ids,
+                                                [tokens] * len(files))
+
+    def _saw_version(self, version: str | None) -> None:
+        if version is None:
+            return
+        self.model_version = version
+        if version not in self.model_versions:
+            self.model_versions.append(version)
+
     async def _generate(
         self, messages: list[dict[str, Any]], width: int, height: int
-    ) -> tuple[Generation, ParsedResponse | None, int, float]:
+    ) -> tuple[Generation, ParsedResponse | None, list[dict[str, Any]], float]:
         """Ask the model; an unparseable reply is asked again up to ``max_parse_retries``
-        times, after which the episode ends as the UI-TARS agents end it (FAIL)."""
+        times, after which the episode ends as the UI-TARS agents end it (FAIL). Returns
+        the reply, its parse, the replies dropped before it (kept for the trajectory) and
+        the time spent asking."""
         cfg = self.cfg
         model = cfg.model
         pixels = {"min_pixels": model.min_pixels, "max_pixels": model.max_pixels}
@@ -359,6 +386,8 @@ class _Episode:
                         f"{images} screenshot(s) of {width}x{height} ({per_image} tokens each) "
                         f"and a reply of up to {model.sampling.max_tokens} tokens")
         model_s = 0.0
+        sampling = model.sampling
+        discarded: list[dict[str, Any]] = []
         for retry in range(cfg.runner.max_parse_retries + 1):
             while True:
                 t0 = time.monotonic()
@@ -374,17 +403,21 @@ class _Episode:
                     model_s += time.monotonic() - t0
             if generation.endpoint not in self.endpoints:
                 self.endpoints.append(generation.endpoint)
-            self.model_version = generation.model_version or self.model_version
+            self._saw_version(generation.model_version)
             try:
                 parsed = parse_response(generation.text, width, height, model.family, **pixels)
                 if not parsed.actions:
                     raise ActionParseError("the reply has no action", generation.text)
-                return generation, parsed, retry, model_s
+                return generation, parsed, discarded, model_s
             except ActionParseError as exc:
                 self.parse_failures += 1
                 log.info("episode %s: unparseable reply (%s), attempt %d", self.spec.episode_id,
                          exc, retry + 1)
-        return generation, None, cfg.runner.max_parse_retries, model_s
+                if retry < cfg.runner.max_parse_retries:  # the last one is the step's reply
+                    discarded.append(discarded_generation(
+                        generation, str(exc), token_ids=sampling.return_token_ids,
+                        logprobs=sampling.logprobs))
+        return generation, None, discarded, model_s
 
     async def _wait_out_model_outage(self, exc: ModelUnavailable) -> None:
         """No model endpoint is live: wait for one with the episode's deadline stopped (an
@@ -458,6 +491,9 @@ class _Episode:
             instruction=str(self.task.get("instruction", "")),
             infeasible=is_infeasible(self.task), model_version=self.model_version,
             model_endpoints=self.endpoints, desktop=self.desktop,
+            first_model_version=self.model_versions[0] if self.model_versions else None,
+            model_versions=list(self.model_versions), pass_index=self.spec.pass_index,
+            group_id=self.spec.group_id, group_size=self.spec.group_size,
             desktops_tried=[*self.avoid, *([self.desktop] if self.desktop else [])],
             error=error, retryable=retryable, last_action=self.last_action,
             parse_failures=self.parse_failures,

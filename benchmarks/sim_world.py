@@ -701,7 +701,7 @@ class ModelApp(_App):
         h, w = smart_resize(cfg.screen_height, cfg.screen_width)
         self._image_tokens = h * w // _TOKENS_PER_PATCH
         self._models = json.dumps(
-            models_body(cfg.model, owned_by="sim", max_model_len=65536)
+            models_body(cfg.model, owned_by="sim", max_model_len=65536, root=cfg.model)
         ).encode()
         self.in_flight = 0  # state, not a stat: requests answered after a reset still leave
         self.reset_stats()

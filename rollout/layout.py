@@ -1,7 +1,7 @@
 """The names of a run directory's files (docs/results_format.md), defined once for the writer
 (storage_actor.py), the resume reader (task_loader.py) and the result tools (rollout.results).
 
-    <run>/run.json, results.jsonl, metrics.jsonl, .lock
+    <run>/run.json, results.jsonl, metrics.jsonl, index.db, .lock
     <run>/<domain>/<task_id>/<rollout>/task_config.json, traj.jsonl, step_<n>.png,
                                        episode.json, result.txt, messages.json
 """
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "EPISODE_FILE",
+    "INDEX_FILE",
     "MESSAGES_FILE",
     "METRICS_FILE",
     "OSWORLD_RESULT_FILE",
@@ -27,6 +28,7 @@ RUN_LOCK_FILE = ".lock"                # flock'ed by the one driver writing the 
 RESULTS_FILE = "results.jsonl"         # one line per finished episode: the index
 SUPERSEDED_RESULTS_FILE = "results.superseded.jsonl"  # lines a rerun or a repair replaced
 METRICS_FILE = "metrics.jsonl"         # the coordinator's samples over time
+INDEX_FILE = "index.db"                # the trainer's index (SQLite, WAL), rollout.training
 TASK_CONFIG_FILE = "task_config.json"  # the task as run
 TRAJ_FILE = "traj.jsonl"               # one line per step, OSWorld's fields + ours
 EPISODE_FILE = "episode.json"          # the episode's result record

@@ -38,6 +38,7 @@ __all__ = [
     "models_body",
     "parse_chat_completion",
     "parse_chat_request",
+    "served_card",
     "served_context",
 ]
 
@@ -291,16 +292,23 @@ class ModelCard(_Wire):
     object: str = "model"
     owned_by: str | None = None
     max_model_len: int | None = None  # vLLM: the context length it serves
+    root: str | None = None           # vLLM: the weights it loaded (a path or a hub id)
+
+
+def served_card(body: bytes | str, model: str) -> ModelCard | None:
+    """From a ``GET /v1/models`` reply: the card of ``model``, else of the only model served;
+    None when the reply is not a model list or names neither."""
+    try:
+        cards = ModelList.model_validate_json(body).data
+    except ValidationError:
+        return None
+    return next((c for c in cards if c.id == model), cards[0] if len(cards) == 1 else None)
 
 
 def served_context(body: bytes | str, model: str) -> int | None:
     """From a ``GET /v1/models`` reply: the context length (vLLM's ``max_model_len``) of
     ``model``, else of the only model served; None when the server does not say."""
-    try:
-        cards = ModelList.model_validate_json(body).data
-    except ValidationError:
-        return None
-    card = next((c for c in cards if c.id == model), cards[0] if len(cards) == 1 else None)
+    card = served_card(body, model)
     return card.max_model_len if card is not None else None
 
 

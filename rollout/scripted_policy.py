@@ -126,7 +126,7 @@ def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
 
     @app.get(MODELS_PATH)
     async def models() -> dict[str, Any]:
-        return models_body(model_name, owned_by="scripted")
+        return models_body(model_name, owned_by="scripted", root=f"scripted-{model_name}")
 
     @app.post(CHAT_COMPLETIONS_PATH)
     async def chat(request: Request) -> Any:

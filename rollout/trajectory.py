@@ -12,7 +12,8 @@ from model_service_pool import Generation
 from rollout.screenshot import Screenshot
 from ui_tars_utils import Action, ParsedResponse
 
-__all__ = ["ScreenshotFiles", "action_dict", "step_record"]
+__all__ = ["ScreenshotFiles", "action_dict", "discarded_generation", "image_spans",
+           "step_record"]
 
 
 def _timestamp() -> str:
@@ -62,6 +63,44 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
     return record
 
 
+def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
+                         logprobs: bool) -> dict[str, Any]:
+    """A reply dropped because it did not parse (the step asked again): kept in its step's
+    ``discarded`` list with what the server produced, so a trainer can use or mask it."""
+    out: dict[str, Any] = {"response": generation.text, "error": error,
+                           "model_endpoint": generation.endpoint,
+                           "model_version": generation.model_version,
+                           "prompt_tokens": generation.prompt_tokens,
+                           "completion_tokens": generation.completion_tokens}
+    if token_ids:
+        out["token_ids"] = generation.token_ids
+        out["prompt_token_ids"] = generation.prompt_token_ids
+    if logprobs:
+        out["logprobs"] = generation.logprobs
+    return out
+
+
+def image_spans(prompt_token_ids: list[int] | None, counts: list[int]
+                ) -> list[list[int]] | None:
+    """Where the server put each image's placeholder tokens in the prompt: ``[start,
+    length]`` per image, in order, found as runs of one repeated token id of exactly the
+    expected lengths (``counts``: each image's token count, as ``image_tokens`` computes
+    it). None when the ids do not show exactly those runs of one id (another tokenizer or
+    template): nothing is guessed."""
+    if not prompt_token_ids or not counts:
+        return None
+    runs: dict[int, list[list[int]]] = {}  # token id -> its maximal runs [start, length]
+    i, n = 0, len(prompt_token_ids)
+    while i < n:
+        j = i
+        while j + 1 < n and prompt_token_ids[j + 1] == prompt_token_ids[i]:
+            j += 1
+        runs.setdefault(prompt_token_ids[i], []).append([i, j - i + 1])
+        i = j + 1
+    found = [spans for spans in runs.values() if [length for _, length in spans] == counts]
+    return found[0] if len(found) == 1 else None
+
+
 class ScreenshotFiles:
     """The file each screenshot still in an episode's image window was saved under, keyed by
     its data URL object (the one every request embeds), so the last request can be stored
@@ -82,6 +121,12 @@ class ScreenshotFiles:
         string is freed. Only a screenshot whose data URL was made is looked up."""
         if "data_url" in shot.__dict__:
             self._files.pop(id(shot.data_url), None)
+
+    def image_files(self, messages: list[dict[str, Any]]) -> list[str | None]:
+        """The file of each image of ``messages``, in prompt order (None: not saved)."""
+        return [self._files.get(id(part["image_url"]["url"]))
+                for message in messages if isinstance(message.get("content"), list)
+                for part in message["content"] if part.get("type") == "image_url"]
 
     def messages_for_disk(self, messages: list[dict[str, Any]] | None
                           ) -> list[dict[str, Any]] | None:

@@ -18,6 +18,7 @@ __all__ = [
     "EpisodeResult",
     "EpisodeSpec",
     "Status",
+    "group_id",
     "infra_result",
     "is_infeasible",
 ]
@@ -60,13 +61,23 @@ class EpisodeSpec:
     rollout: int
     task: dict[str, Any] = field(compare=False, repr=False)
     attempt: int = 0
+    pass_index: int = 0             # which pass over the task set (tasks.passes)
+    group_size: int | None = None   # rollouts of this task in this pass (None: not planned)
     episode_id: str = field(init=False)
-    group: str = field(init=False)
+    group: str = field(init=False)     # the task: "<domain>/<task_id>"
+    group_id: str = field(init=False)  # the task's group of this pass (the trainer's unit)
 
     def __post_init__(self) -> None:
         # Derived, never passed by hand: the id is the episode's path under the run dir.
         object.__setattr__(self, "group", f"{self.domain}/{self.task_id}")
+        object.__setattr__(self, "group_id", group_id(self.domain, self.task_id,
+                                                      self.pass_index))
         object.__setattr__(self, "episode_id", f"{self.domain}/{self.task_id}/{self.rollout}")
+
+
+def group_id(domain: str, task_id: str, pass_index: int) -> str:
+    """The id of a task's group of rollouts in one pass: ``<domain>/<task_id>/pass-<n>``."""
+    return f"{domain}/{task_id}/pass-{pass_index}"
 
 
 @dataclass
@@ -85,8 +96,13 @@ class EpisodeResult:
     ended_at: float
     instruction: str = ""
     infeasible: bool = False
-    model_version: str | None = None
+    model_version: str | None = None        # the version of the last step's generation
     model_endpoints: list[str] = field(default_factory=list)
+    first_model_version: str | None = None  # the version of the first step's generation
+    model_versions: list[str] = field(default_factory=list)  # every version used, in order
+    pass_index: int = 0
+    group_id: str | None = None
+    group_size: int | None = None
     desktop: str | None = None
     desktops_tried: list[str] = field(default_factory=list)
     error: str | None = None
@@ -99,10 +115,16 @@ class EpisodeResult:
     outage: str | None = None     # "model"/"desktop": that side was down (requeue, no attempt)
     fatal: bool = False           # no retry can fix it: the run stops, the episode is not recorded
 
+    @property
+    def mixed_versions(self) -> bool:
+        """Steps of this episode came from more than one model version (a reload mid-way)."""
+        return len(self.model_versions) > 1
+
     def record(self) -> dict[str, Any]:
         out = asdict(self)
         out["status"] = str(self.status)
         out["duration_s"] = round(self.ended_at - self.started_at, 4)
+        out["mixed_versions"] = self.mixed_versions
         for scheduling_only in ("retryable", "outage", "fatal"):
             out.pop(scheduling_only)
         return out
@@ -117,5 +139,6 @@ def infra_result(spec: EpisodeSpec, error: str, *, retryable: bool = True,
         spec.episode_id, spec.task_id, spec.domain, spec.rollout, spec.attempt,
         Status.INFRA_ERROR, None, 0, now, now, instruction=str(spec.task.get("instruction", "")),
         infeasible=is_infeasible(spec.task), error=error, retryable=retryable, runner=runner,
-        outage=outage, fatal=fatal,
+        outage=outage, fatal=fatal, pass_index=spec.pass_index, group_id=spec.group_id,
+        group_size=spec.group_size,
     )

@@ -1,6 +1,8 @@
 """What changed between two runs: the episodes (or, with ``--by task``, the tasks) whose
 reward or status differs, both ways, written to a file (the fields: ``compare``'s docstring);
-a summary on stdout. Exit codes: 0, 2 on bad usage or a RUN_DIR missing / not a directory."""
+a summary on stdout. --min-version / --exclude-mixed narrow both runs by model version
+first. Exit codes: 0, 2 on bad usage (a --min-version that is not a version of both runs
+too) or a RUN_DIR missing / not a directory."""
 
 from __future__ import annotations
 
@@ -14,13 +16,18 @@ from pathlib import Path
 
 from rollout.results import (
     Run,
+    add_version_filters,
     compute_rates,
+    describe_selection,
     fail,
     fmt_rate,
     k_label,
     open_run,
     results_parser,
+    select_run,
+    selection_json,
     summarize_tasks,
+    version_order,
 )
 
 __all__ = ["main"]
@@ -159,14 +166,26 @@ def _print_summary(run_a: Run, run_b: Run, changes: list[Change], by: str) -> No
     for name in CHANGES:
         table.add_row(name, str(counts.get(name, 0)))
     console.print(table)
-    rates = {name: compute_rates(run.episodes) for name, run in (("A", run_a), ("B", run_b))}
-    for name, r in rates.items():
+    for name, run in (("A", run_a), ("B", run_b)):
+        r = compute_rates(run.episodes)
         console.print(
             f"{name}: success {fmt_rate(r.success_rate)}, "
             f"avg@{k_label(r.to_json())} {fmt_rate(r.avg_at_k)}, "
             f"pass@{k_label(r.to_json())} {fmt_rate(r.pass_at_k)} "
             f"over {r.scored_episodes} scored episodes"
         )
+        versions = version_order(run)
+        if versions:
+            shown = versions if len(versions) <= 4 else [*versions[:2], "...", versions[-1]]
+            console.print(
+                f"   model versions ({len(versions)}): {', '.join(shown)}; "
+                f"mixed episodes: {r.mixed_episodes}",
+                markup=False,
+                highlight=False,
+            )
+        selected = describe_selection(selection_json(run))
+        if selected is not None:
+            console.print(f"   selected: {selected}", markup=False, highlight=False)
     for c in [c for c in changes if c.change in ("a_better", "b_better")][:10]:
         console.print(
             f"  {c.change}: {c.key} {c.reward_a:.3g} -> {c.reward_b:.3g}  {c.instruction[:70]}",
@@ -197,14 +216,15 @@ def _parser() -> argparse.ArgumentParser:
         default="episode",
         help="compare single episodes (default) or tasks over their rollouts",
     )
+    add_version_filters(parser, runs="both runs")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    run_a = open_run(parser, args.run_a)
-    run_b = open_run(parser, args.run_b)
+    run_a = select_run(parser, open_run(parser, args.run_a), args)
+    run_b = select_run(parser, open_run(parser, args.run_b), args)
     output = args.output or Path(f"compare_{run_a.name}_vs_{run_b.name}.jsonl")
     if not output.parent.is_dir():
         fail(parser, f"{output.parent}: no such directory")

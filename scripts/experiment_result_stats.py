@@ -1,6 +1,8 @@
 """Figures of several runs side by side: per run the success rate, avg@k, pass@k, status
 counts, mean steps and time; their mean and sample deviation; the any-correct rate (JSON and
-CSV layout: ``collect``'s docstring). Exit codes: 0, 2 on bad usage or a RUN_DIR missing."""
+CSV layout: ``collect``'s docstring). --min-version / --exclude-mixed narrow every run by
+model version first. Exit codes: 0, 2 on bad usage (an unknown --min-version too) or a
+RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -15,7 +17,9 @@ from rollout.results import (
     STATUS_ABBREV,
     Run,
     add_json_flag,
+    add_version_filters,
     compute_rates,
+    describe_selection,
     fail,
     flat_rates,
     fmt_float,
@@ -23,6 +27,9 @@ from rollout.results import (
     mean_std,
     open_run,
     results_parser,
+    select_run,
+    selection_json,
+    version_order,
 )
 from rollout.types import STATUSES
 
@@ -41,6 +48,7 @@ NUMERIC_COLUMNS = (
     *STATUSES,
     "mean_steps",
     "mean_duration_s",
+    "mixed_episodes",
 )
 CSV_COLUMNS = ("run", "layout", "k", *NUMERIC_COLUMNS)
 _RATE_COLUMNS = frozenset({"success_rate", "avg_at_k", "pass_at_k"})
@@ -56,18 +64,24 @@ _HEADERS = {
     **STATUS_ABBREV,
     "mean_steps": "steps",
     "mean_duration_s": "time s",
+    "mixed_episodes": "mixed",
 }
 
 
 def collect(runs: list[Run]) -> dict[str, Any]:
     """The --json object (schema "experiment_result_stats/1"):
       {"schema": "experiment_result_stats/1",
-       "runs": [{"run": str, "run_dir": str, "layout": str, **RATES}, ...],
+       "runs": [{"run": str, "run_dir": str, "layout": str, "versions": [str, ...],
+                 "selection": {"min_version": str | null, "exclude_mixed": bool,
+                               "excluded_episodes": int}, **RATES}, ...],
        "mean": {column: float | null}, "std": {column: float | null},
        "pooled": RATES,
        "any_correct": {"rate": float | null, "solved_tasks": int, "tasks": int}}
     RATES is ``Rates.to_json()`` (rollout/results/rates.py), flattened in "runs" (status
-    counts as columns, plus "k"). "mean" and "std" are the mean and the sample standard
+    counts as columns, plus "k"). "versions" are the run's model versions in order of first
+    use (the whole run's, even when --min-version / --exclude-mixed narrowed it; "selection"
+    says how), "mixed_episodes" (a RATES figure) its episodes that used several. "mean" and
+    "std" are the mean and the sample standard
     deviation (n - 1) over the runs that have the figure (a run with nothing scored has no
     rates); the deviation is null for a single run. The any-correct rate is the fraction of
     tasks scored in some run that some rollout of some run solved: pass@k of all runs'
@@ -86,6 +100,8 @@ def collect(runs: list[Run]) -> dict[str, Any]:
                 "run": name,
                 "run_dir": str(run.path),
                 "layout": run.layout,
+                "versions": version_order(run),
+                "selection": selection_json(run),
                 **flat_rates(compute_rates(run.episodes).to_json()),
             }
         )
@@ -161,8 +177,15 @@ def _print_table(stats: dict[str, Any]) -> None:
         f"any-correct rate: {fmt_rate(any_correct['rate'])} "
         f"({any_correct['solved_tasks']}/{any_correct['tasks']} tasks solved in some run); "
         "std is the sample deviation (n - 1) across runs; "
-        "infra_error and cancelled are excluded from every rate."
+        "infra_error and cancelled are excluded from every rate; mixed: episodes that used "
+        "several model versions.",
+        markup=False,
+        highlight=False,
     )
+    for row in stats["runs"]:
+        selected = describe_selection(row["selection"])
+        if selected is not None:
+            console.print(f"{row['run']}: {selected}", markup=False, highlight=False)
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -181,6 +204,7 @@ def _parser() -> argparse.ArgumentParser:
         help="also write the table as CSV to this file",
     )
     add_json_flag(parser)
+    add_version_filters(parser, runs="each run")
     return parser
 
 
@@ -189,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.output is not None and not args.output.parent.is_dir():
         fail(parser, f"{args.output.parent}: no such directory")
-    runs = [open_run(parser, path) for path in args.run_dirs]
+    runs = [select_run(parser, open_run(parser, path), args) for path in args.run_dirs]
     for run in runs:
         if not run.episodes:
             print(f"{run.path}: no finished episodes", file=sys.stderr)

@@ -58,9 +58,10 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 # desktop/image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
 apt_list() { grep -v -E '^[[:space:]]*(#|$)' "desktop/image/$1"; }
 mapfile -t apt_packages < <(apt_list apt-base.txt)
-# Only the tests need a browser (the trajectory viewer is checked in headless chromium)
-# and OCR (the secrets test reads the screenshot of a terminal with tesseract).
-[ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr)
+# Only the tests need a browser (the trajectory viewer is checked in headless chromium),
+# OCR (the secrets test reads the screenshot of a terminal with tesseract) and a database server.
+# PostgreSQL: the trainer index's multi-consumer test starts its own server (initdb, pg_ctl).
+[ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr postgresql)
 [ "$osworld" = 1 ] && mapfile -t -O "${#apt_packages[@]}" apt_packages < <(apt_list apt-osworld.txt)
 # Container desktops: podman with Debian's runc (its default crun refuses this kind of VM's
 # cgroups v1), and debootstrap for the image's Debian base where no registry is reachable.

@@ -1,6 +1,8 @@
 """Success rates of one run (run.py's results.jsonl or an OSWorld results tree): per domain,
-per OSWorld group, feasible and infeasible apart, overall; avg@k, pass@k, status counts.
-Figures and --json schema: rollout/results/summary.py. Exit codes: 0, 2 on bad usage."""
+per OSWorld group, feasible and infeasible apart, overall; avg@k, pass@k, status counts;
+or per model version (--by-version) or per pass over the task set (--by-pass). Episodes
+can be narrowed by version (--min-version, --exclude-mixed). Figures and --json schema:
+rollout/results/summary.py. Exit codes: 0, 2 on bad usage (an unknown --min-version too)."""
 
 from __future__ import annotations
 
@@ -8,7 +10,17 @@ import argparse
 import json
 import sys
 
-from rollout.results import add_json_flag, open_run, print_table, results_parser, summarize
+from rollout.results import (
+    add_json_flag,
+    add_version_filters,
+    open_run,
+    print_pass_table,
+    print_table,
+    print_version_table,
+    results_parser,
+    select_run,
+    summarize,
+)
 
 __all__ = ["main"]
 
@@ -22,20 +34,39 @@ def _parser() -> argparse.ArgumentParser:
         "The --json schema is in rollout/results/summary.py.",
     )
     add_json_flag(parser)
+    parser.add_argument(
+        "--by-version", action="store_true",
+        help="a row per model version instead of per domain: each episode under its first "
+        "version, mixed ones also in a 'mixed' row (--json: the \"by_version\" key)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--by-pass", action="store_true",
+        help="a row per pass over the task set (pass_index) instead of per domain "
+        "(--json: the \"by_pass\" key)",
+    )  # fmt: skip
+    add_version_filters(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    run = open_run(parser, args.run_dir)
-    summary = summarize(run)
+    run = select_run(parser, open_run(parser, args.run_dir), args)
+    summary = summarize(run, by_version=args.by_version, by_pass=args.by_pass)
     if not run.episodes:  # still exit 0: a run that has just started
-        print(f"{run.path}: no finished episodes", file=sys.stderr if args.json else sys.stdout)
+        excluded = summary["selection"]["excluded_episodes"]
+        note = f" ({excluded} left out by the version options)" if excluded else ""
+        print(f"{run.path}: no finished episodes{note}",
+              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
     if args.json:
         print(json.dumps(summary, indent=2))
     elif run.episodes:
-        print_table(summary)
+        if args.by_version:
+            print_version_table(summary)
+        if args.by_pass:
+            print_pass_table(summary)
+        if not (args.by_version or args.by_pass):
+            print_table(summary)
     return 0
 
 

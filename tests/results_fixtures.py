@@ -28,6 +28,12 @@ class Ep:
     steps: int = 2
     duration_s: float = 10.0
     infeasible: bool = False
+    # The model versions its steps used, in order: None writes a record of before the
+    # version fields (model_version "m-1" only); () an episode no step of which reached a
+    # model. With versions, the record has every field of today's writer.
+    versions: tuple[str, ...] | None = None
+    pass_index: int = 0
+    started_at: float | None = None  # None: right after the previous episode of the run
 
 
 # Run A: 13 episodes, 9 scored (rewards sum 4.5), 4 scored tasks of which 3 solved.
@@ -63,6 +69,25 @@ RUN_B = [
     Ep("os", "t5", 1, "failure", 0.0),
     Ep("os", "t6", 0, "failure", 0.0),
 ]
+
+# A run of three model versions whose names sort neither by name nor by file order: first
+# used (by started_at) in the order zz-ckpt, aa-ckpt, mm-ckpt. The file lists chrome/d/0
+# (mm-ckpt, started last but two) first, so numbering by file order would be wrong.
+V1, V2, V3 = "zz-ckpt", "aa-ckpt", "mm-ckpt"
+RUN_V = [
+    Ep("chrome", "d", 0, "success", 1.0, versions=(V3,), pass_index=1, started_at=160.0),
+    Ep("os", "a", 0, "success", 1.0, versions=(V1,), started_at=100.0),
+    Ep("os", "a", 1, "failure", 0.0, versions=(V1,), started_at=110.0),
+    # Mixed across the V1 -> V2 boundary: started on V1, ended on V2.
+    Ep("os", "b", 0, "success", 1.0, versions=(V1, V2), started_at=120.0),
+    Ep("os", "b", 1, "failure", 0.0, versions=(V2,), started_at=130.0),
+    Ep("chrome", "c", 0, "success", 1.0, versions=(V2,), started_at=140.0),
+    Ep("chrome", "c", 1, "failure", 0.5, versions=(V2, V3), started_at=150.0),  # mixed
+    Ep("chrome", "d", 1, "infra_error", None, versions=(V3,), pass_index=1, started_at=170.0),
+    # No step reached a model: no version at all.
+    Ep("chrome", "e", 0, "infra_error", None, steps=0, versions=(), pass_index=1,
+       started_at=180.0),
+]  # fmt: skip
 
 # What each step of a synthetic trajectory does, cycled: (parsed action, pyautogui code).
 STEP_ACTIONS: list[tuple[dict[str, Any], str]] = [
@@ -112,6 +137,21 @@ def png_bytes(color: tuple[int, int, int], marks: tuple[tuple[int, int], ...] = 
 
 
 def _record(ep: Ep, started_at: float) -> dict[str, Any]:
+    record = _legacy_record(ep, started_at)
+    if ep.versions is not None:
+        record |= {
+            "model_version": ep.versions[-1] if ep.versions else None,
+            "first_model_version": ep.versions[0] if ep.versions else None,
+            "model_versions": list(ep.versions),
+            "mixed_versions": len(ep.versions) > 1,
+            "pass_index": ep.pass_index,
+            "group_id": f"{ep.domain}/{ep.task_id}/pass-{ep.pass_index}",
+            "group_size": 2,
+        }
+    return record
+
+
+def _legacy_record(ep: Ep, started_at: float) -> dict[str, Any]:
     return {
         "episode_id": f"{ep.domain}/{ep.task_id}/{ep.rollout}",
         "task_id": ep.task_id,
@@ -181,7 +221,7 @@ def make_run(
     lines = []
     t = t0
     for i, ep in enumerate(episodes):
-        record = _record(ep, t)
+        record = _record(ep, t if ep.started_at is None else ep.started_at)
         t += ep.duration_s
         lines.append(json.dumps(record))
         ep_dir = run_dir / ep.domain / ep.task_id / str(ep.rollout)

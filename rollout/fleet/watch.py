@@ -7,10 +7,11 @@ import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from pathlib import Path
+from typing import Any
 
 from rollout.fleet.checkpoints import checkpoint_mtime, newest_checkpoint
 
-__all__ = ["first_checkpoint", "watch_checkpoints"]
+__all__ = ["first_checkpoint", "newest_not_served", "watch_checkpoints"]
 
 log = logging.getLogger(__name__)
 
@@ -54,3 +55,34 @@ async def watch_checkpoints(
             continue
         handled_mtime = found.mtime
         await roll_out(str(found.path))
+
+
+def newest_not_served(state: dict[str, Any] | None) -> str | None:
+    """Why the pool of ``state`` (``endpoints.json``) is not serving its newest checkpoint
+    right now, or None when it is: the checkpoint barrier's question (tasks.checkpoint_barrier).
+
+    Not served: no state, a rolling reload under way, no healthy replica, replicas on
+    another version than the pool's, or (when its watched directory is readable here) a
+    newer complete checkpoint there than the one the pool serves."""
+    if not isinstance(state, dict):
+        return "the model pool's endpoint list is not readable"
+    reload = state.get("reload") or {}
+    if reload.get("state") == "running":
+        return (f"reload {reload.get('id')} to {reload.get('version')} under way "
+                f"({reload.get('batches_done')}/{reload.get('batches_total')} batches)")
+    serving = [e for e in state.get("endpoints") or []
+               if e.get("healthy") and not e.get("draining")]
+    if not serving:
+        return "no replica is serving"
+    target = state.get("model_version")
+    versions = sorted({str(e.get("model_version")) for e in serving})
+    if versions != [target]:
+        return f"replicas serve {', '.join(versions)}; the pool's checkpoint is {target}"
+    watch_dir = (state.get("supervisor") or {}).get("watch_dir")
+    if watch_dir and Path(watch_dir).is_dir():
+        newest = newest_checkpoint(Path(watch_dir))
+        served = state.get("checkpoint")
+        if (newest is not None and served and newest.path != Path(served).resolve()
+                and newest.mtime > checkpoint_mtime(served)):
+            return f"{newest.path.name} in {watch_dir} is newer than the served {target}"
+    return None

@@ -3,7 +3,9 @@
     runs.py     a run directory (ours or OSWorld's) as Run / Episode / Problem records
     rates.py    per-task aggregation and the rates: success rate, avg@k, pass@k
     summary.py  the one-run summary: summarize(run) and print_table(summary)
-    cli.py      what the scripts share: parser, opening a run, formatting
+    versions.py model versions: their order in a run (version_order), --min-version and
+                --exclude-mixed (select_versions), the per-version and per-pass rows
+    cli.py      what the scripts share: parser, opening a run, version options, formatting
 
 No Ray, matplotlib or PIL: those are imported, if at all, by the script that draws.
 """
@@ -13,6 +15,7 @@ from rollout.results.cli import (
     STATUS_ABBREV,
     add_json_flag,
     add_out_dir,
+    add_version_filters,
     fail,
     fmt_float,
     fmt_rate,
@@ -20,6 +23,7 @@ from rollout.results.cli import (
     open_run,
     report_problems,
     results_parser,
+    select_run,
 )
 from rollout.results.rates import (
     OSWORLD_GROUPS,
@@ -41,12 +45,28 @@ from rollout.results.runs import (
     Problem,
     Run,
     RunDirError,
+    Selection,
     load_run,
     read_jsonl,
     read_metrics,
     read_traj,
 )
-from rollout.results.summary import SUMMARY_SCHEMA, print_table, summarize
+from rollout.results.summary import (
+    SUMMARY_SCHEMA,
+    print_pass_table,
+    print_table,
+    print_version_table,
+    summarize,
+)
+from rollout.results.versions import (
+    VersionError,
+    by_pass,
+    by_version,
+    describe_selection,
+    select_versions,
+    selection_json,
+    version_order,
+)
 
 __all__ = [
     "LAYOUT_OSWORLD",
@@ -61,11 +81,17 @@ __all__ = [
     "Rates",
     "Run",
     "RunDirError",
+    "Selection",
     "TaskSummary",
+    "VersionError",
     "add_json_flag",
     "add_out_dir",
+    "add_version_filters",
+    "by_pass",
+    "by_version",
     "canonical_domain",
     "compute_rates",
+    "describe_selection",
     "fail",
     "flat_rates",
     "fmt_float",
@@ -76,12 +102,18 @@ __all__ = [
     "make_out_dir",
     "mean_std",
     "open_run",
+    "print_pass_table",
     "print_table",
+    "print_version_table",
     "read_jsonl",
     "read_metrics",
     "read_traj",
     "report_problems",
     "results_parser",
+    "select_run",
+    "select_versions",
+    "selection_json",
     "summarize",
     "summarize_tasks",
+    "version_order",
 ]

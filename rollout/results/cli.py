@@ -1,6 +1,7 @@
 """What the result scripts (scripts/*.py) share: their argument parser with the RUN_DIR
 help, opening a run or an output directory (one line and exit 2 when that fails), the
-report of unreadable lines on stderr, and the formatting of figures in tables."""
+model-version options (--min-version, --exclude-mixed) and their selection, the report of
+unreadable lines on stderr, and the formatting of figures in tables."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import NoReturn, TextIO
 
 from rollout.results.runs import Problem, Run, RunDirError, load_run
+from rollout.results.versions import VersionError, select_versions
 from rollout.types import Status
 
 __all__ = [
@@ -18,6 +20,7 @@ __all__ = [
     "STATUS_ABBREV",
     "add_json_flag",
     "add_out_dir",
+    "add_version_filters",
     "fail",
     "fmt_float",
     "fmt_rate",
@@ -25,6 +28,7 @@ __all__ = [
     "open_run",
     "report_problems",
     "results_parser",
+    "select_run",
 ]
 
 # The run directory formats the scripts accept, for their --help.
@@ -66,6 +70,37 @@ def add_out_dir(parser: argparse.ArgumentParser, default: str) -> None:
     """``--out DIR``, an output directory that defaults to ``RUN_DIR/<default>``."""
     parser.add_argument("--out", metavar="DIR", type=Path,
                         help=f"output directory (default: RUN_DIR/{default})")  # fmt: skip
+
+
+def add_version_filters(parser: argparse.ArgumentParser, *, runs: str = "the run") -> None:
+    """``--min-version V`` and ``--exclude-mixed`` (read by ``select_run``); ``runs`` names
+    what they apply to in the help."""
+    group = parser.add_argument_group(
+        "model versions",
+        "Versions are ordered by first use in the run (episodes by start time); an episode "
+        "belongs to the version of its first step. show_result.py --by-version lists them.",
+    )
+    group.add_argument(
+        "--min-version", metavar="V",
+        help=f"keep only the episodes of {runs} whose first model version is V or a later one "
+        "(an episode that started on an older version is left out even if it ended on V; one "
+        "without a version too); V must be a version of each run",
+    )  # fmt: skip
+    group.add_argument(
+        "--exclude-mixed", action="store_true",
+        help="leave out episodes whose steps came from more than one model version",
+    )  # fmt: skip
+
+
+def select_run(parser: argparse.ArgumentParser, run: Run, args: argparse.Namespace) -> Run:
+    """The run narrowed by ``add_version_filters``' options; a --min-version that is not one
+    of the run's versions exits 2 with one line naming it and the run's versions in order."""
+    try:
+        return select_versions(
+            run, min_version=args.min_version, exclude_mixed=args.exclude_mixed
+        )
+    except VersionError as exc:
+        fail(parser, f"--min-version {exc}")
 
 
 def fail(parser: argparse.ArgumentParser, message: str) -> NoReturn:

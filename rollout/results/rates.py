@@ -105,6 +105,7 @@ class Rates:
     pass_at_k: fraction of scored tasks with a rollout at reward >= 1.0.
     k_min, k_max: fewest and most scored rollouts of a task (k of avg@k / pass@k).
     mean_steps, mean_duration_s: over scored episodes that report them.
+    mixed_episodes: episodes (any status) whose steps came from more than one model version.
 
     ``to_json()`` is the RATES object of the tools' JSON output:
       {"episodes": int, "scored_episodes": int, "tasks": int, "scored_tasks": int,
@@ -112,7 +113,8 @@ class Rates:
        "success_rate": float | null, "avg_at_k": float | null, "pass_at_k": float | null,
        "mean_steps": float | null, "mean_duration_s": float | null,
        "status_counts": {"success": int, "failure": int, "max_steps": int,
-                         "timeout": int, "infra_error": int, "cancelled": int}}
+                         "timeout": int, "infra_error": int, "cancelled": int},
+       "mixed_episodes": int}
     Rates are fractions in [0, 1].
     """
 
@@ -129,6 +131,7 @@ class Rates:
     mean_steps: float | None
     mean_duration_s: float | None
     status_counts: dict[str, int]
+    mixed_episodes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -145,6 +148,7 @@ class Rates:
             "mean_steps": self.mean_steps,
             "mean_duration_s": self.mean_duration_s,
             "status_counts": dict(self.status_counts),
+            "mixed_episodes": self.mixed_episodes,
         }
 
 
@@ -171,6 +175,7 @@ def compute_rates(episodes: Iterable[Episode]) -> Rates:
         mean_steps=_mean(steps),
         mean_duration_s=_mean(durations),
         status_counts={s: counts.get(s, 0) for s in STATUSES},
+        mixed_episodes=sum(e.mixed_versions for e in episodes),
     )
 
 

@@ -5,6 +5,10 @@
 Plain file I/O with the standard library and the project's vocabulary (rollout.types,
 rollout.layout, rollout.files): no Ray. A line or file that cannot be read becomes a
 ``Problem`` (path, line, message) that the callers report and then skip.
+
+Records written before the model-version fields (``first_model_version``,
+``model_versions``, ``mixed_versions``, ``pass_index``, ``group_id``, ``group_size``) read
+with their defaults (docs/results_format.md).
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ from rollout.types import (
     Status,
     is_infeasible,
 )
+from rollout.types import group_id as task_group_id
 
 __all__ = [
     "LAYOUT_OSWORLD",
@@ -40,6 +45,7 @@ __all__ = [
     "Problem",
     "Run",
     "RunDirError",
+    "Selection",
     "load_run",
     "read_jsonl",
     "read_metrics",
@@ -84,6 +90,18 @@ class Episode:
     error: str | None = None
     # The episode's directory (traj.jsonl, screenshots); None when the record names none.
     dir: Path | None = None
+    started_at: float | None = None
+    # Model versions: the first and the last step's, every distinct one in the order used
+    # (first and last included), and whether there were several. None / () when no step
+    # reached a model (an early infra_error) or the layout records none (OSWorld's).
+    first_model_version: str | None = None
+    model_version: str | None = None
+    model_versions: tuple[str, ...] = ()
+    mixed_versions: bool = False
+    # The pass over the task set, and the task's group of rollouts in that pass.
+    pass_index: int = 0
+    group_id: str = ""
+    group_size: int | None = None
     record: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -104,15 +122,37 @@ class Episode:
         return self.scored and self.reward is not None and self.reward >= SUCCESS_REWARD
 
 
+@dataclass(frozen=True)
+class Selection:
+    """How a Run's episodes were narrowed by model version (``select_versions``): the
+    options, the version order of the whole run they were taken from, how many were left
+    out. ``to_json()``: {"min_version": str | null, "exclude_mixed": bool,
+    "excluded_episodes": int}."""
+
+    min_version: str | None
+    exclude_mixed: bool
+    versions: tuple[str, ...]
+    excluded: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "min_version": self.min_version,
+            "exclude_mixed": self.exclude_mixed,
+            "excluded_episodes": self.excluded,
+        }
+
+
 @dataclass
 class Run:
     """A run directory as read: its layout, its episodes (one per episode id, the last line
-    wins) and what could not be read."""
+    wins) and what could not be read; ``selection`` when its episodes were narrowed by
+    model version (rollout.results.versions.select_versions)."""
 
     path: Path
     layout: Layout
     episodes: list[Episode]
     problems: list[Problem]
+    selection: Selection | None = None
 
     @property
     def name(self) -> str:
@@ -223,6 +263,11 @@ def _episode_from_record(record: dict[str, Any], run_dir: Path) -> Episode:
     steps = steps if isinstance(steps, int) and not isinstance(steps, bool) else None
     instruction = record.get("instruction")
     error = record.get("error")
+    versions = _versions(record)
+    pass_index = _count(record, "pass_index")
+    group = record.get("group_id")
+    if group is not None and not isinstance(group, str):
+        raise TypeError(f"field group_id: must be a string or null, got {group!r}")
     return Episode(
         domain=domain,
         task_id=task_id,
@@ -235,8 +280,57 @@ def _episode_from_record(record: dict[str, Any], run_dir: Path) -> Episode:
         infeasible=record.get("infeasible") is True,
         error=error if isinstance(error, str) else None,
         dir=_inside(run_dir, f"{domain}/{task_id}/{rollout}"),
+        started_at=_number(record, "started_at"),
+        **versions,
+        pass_index=0 if pass_index is None else pass_index,
+        group_id=group or task_group_id(domain, task_id, pass_index or 0),
+        group_size=_count(record, "group_size"),
         record=record,
     )
+
+
+def _versions(record: dict[str, Any]) -> dict[str, Any]:
+    """The model-version fields of a record, with the defaults of records written before
+    them: first = the first of model_versions, else model_version; model_versions = the
+    distinct versions of first, model_versions and model_version in that order (so [last]
+    when only model_version is there); mixed = more than one of them."""
+    last = _version(record, "model_version")
+    first = _version(record, "first_model_version")
+    listed = record.get("model_versions")
+    if listed is None:
+        listed = []
+    elif not isinstance(listed, list) or not all(isinstance(v, str) and v for v in listed):
+        raise TypeError(f"field model_versions: must be a list of strings, got {listed!r}")
+    if first is None:
+        first = listed[0] if listed else last
+    versions = tuple(dict.fromkeys(v for v in (first, *listed, last) if v is not None))
+    mixed = record.get("mixed_versions")
+    if mixed is not None and not isinstance(mixed, bool):
+        raise TypeError(f"field mixed_versions: must be true, false or null, got {mixed!r}")
+    return {
+        "first_model_version": first,
+        "model_version": last,
+        "model_versions": versions,
+        "mixed_versions": len(versions) > 1 if mixed is None else mixed,
+    }
+
+
+def _version(record: dict[str, Any], name: str) -> str | None:
+    value = record.get(name)
+    if value is None or value == "":
+        return None
+    if not isinstance(value, str):
+        raise TypeError(f"field {name}: must be a string or null, got {value!r}")
+    return value
+
+
+def _count(record: dict[str, Any], name: str) -> int | None:
+    value = record.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise TypeError(f"field {name}: must be an integer >= 0 or null, got {value!r}")
+    return value
 
 
 def _number(record: dict[str, Any], name: str) -> float | None:
@@ -297,6 +391,7 @@ def _load_osworld(run_dir: Path) -> tuple[list[Episode], list[Problem]]:
                 instruction=instruction,
                 infeasible=infeasible,
                 dir=task_dir,
+                group_id=task_group_id(task_dir.parent.name, task_dir.name, 0),
             )
         )
     return episodes, problems

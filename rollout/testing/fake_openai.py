@@ -45,8 +45,12 @@ class FakeOpenAIServer(ThreadedServer):
         reply: Callable[[dict[str, Any]], str] | None = None,
         healthy: bool = True,
         max_model_len: int | None = None,
+        root: str | None = "",
     ) -> None:
         self.latency_s = latency_s
+        # What /v1/models says the server loaded (vLLM's root): the model's name by
+        # default, as vLLM serving a hub id says; None: not reported.
+        self.root = model if root == "" else root
         self.max_model_len = max_model_len  # reported by /v1/models, as vLLM does
         self.model = model
         self.reply = reply or (lambda body: "Thought: ok\nAction: wait()")
@@ -68,9 +72,9 @@ class FakeOpenAIServer(ThreadedServer):
 
         @app.get(MODELS_PATH)
         async def models() -> dict[str, Any]:
-            if self.max_model_len is None:
-                return models_body(self.model)
-            return models_body(self.model, max_model_len=self.max_model_len)
+            extra = {k: v for k, v in (("max_model_len", self.max_model_len),
+                                       ("root", self.root)) if v is not None}
+            return models_body(self.model, **extra)
 
         @app.post(CHAT_COMPLETIONS_PATH)
         async def chat(request: Request) -> Any:

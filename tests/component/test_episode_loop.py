@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +18,7 @@ import pytest
 from config import Config, load_config
 from env_k8s import DesktopPool
 from rollout.errors import DesktopError
+from rollout.fleet.state import write_state
 from rollout.testing.fake_desktop import FakeDesktop, FakeProvider
 from rollout.testing.fake_openai import FakeOpenAIServer
 from rollout.types import EpisodeResult, EpisodeSpec
@@ -77,14 +79,25 @@ async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
     made: list[World] = []
 
     async def make(*sets: str, desktop: Callable[[str], FakeDesktop] = clicking_desktop,
-                   replies: list[str] | None = None) -> World:
+                   replies: list[str | Callable[[], str]] | None = None,
+                   model_state_dir: Path | None = None) -> World:
+        """``replies``: texts, or functions called when their turn comes (returning the
+        text); ``model_state_dir``: the model endpoints are run_model.py's list there
+        (the test publishes it) instead of ``model.endpoints``."""
         queue = list(replies or [])
-        server = FakeOpenAIServer(
-            reply=lambda body: queue.pop(0) if queue else "Thought: done\nAction: finished()")
+
+        def reply(body: dict[str, Any]) -> str:
+            if not queue:
+                return "Thought: done\nAction: finished()"
+            nxt = queue.pop(0)
+            return nxt() if callable(nxt) else nxt
+
+        server = FakeOpenAIServer(reply=reply)
         server.start()
+        endpoints = [] if model_state_dir is not None else [server.url]
         cfg = load_config(ROOT / "configs" / "demo.yaml", [
             f"run.output_dir={tmp_path / 'results'}",
-            "model.scripted=false", f"model.endpoints={json.dumps([server.url])}",
+            "model.scripted=false", f"model.endpoints={json.dumps(endpoints)}",
             "model.retries=0", "desktops.count=1", "runner.action_pause_s=0",
             "runner.max_parse_retries=1", f"desktops.screen_width={SCREEN[0]}",
             f"desktops.screen_height={SCREEN[1]}", f"desktops.download_cache_dir={tmp_path}",
@@ -95,7 +108,10 @@ async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
         await pool.start()
         storage = StorageActor(cfg.run_dir, cfg.storage)
         await storage.start_run({"run": "component"})
-        runner = TrajectoryRunner(cfg, pool, storage, "r0", env_factory=provider.env_factory)
+        runner = TrajectoryRunner(
+            cfg, pool, storage, "r0",
+            str(model_state_dir) if model_state_dir is not None else None,
+            env_factory=provider.env_factory)
         world = World(cfg, runner, pool, provider, storage, server, queue)
         made.append(world)
         return world
@@ -335,3 +351,33 @@ async def test_a_slow_metric_times_out_without_freezing_the_runner(make_world, m
     assert (result.status, result.retryable) == ("infra_error", True)
     assert "evaluation timed out" in (result.error or "")
     assert ticks > 10 and world.runner.stats()["active"] == 0
+
+
+async def test_an_episode_spanning_a_reload_records_each_steps_version(make_world, tmp_path):
+    """run_model.py reloads the checkpoint in place mid-episode: each step records the
+    version that produced it; the episode its first and last and that it mixed them."""
+    state_dir = tmp_path / "pool"
+    state_dir.mkdir()
+
+    mtime = [0]
+
+    def publish(version: str) -> str:  # as run_model.py does: the file's mtime always moves
+        entry = {"url": world.model.url, "healthy": True, "model_version": version}
+        mtime[0] = write_state(state_dir, {"endpoints": [entry], "model_version": version},
+                               min_mtime_ns=mtime[0])
+        time.sleep(0.05)  # a reply slower than the 20 ms between looks at the list, as real ones
+        return "Thought: the button\nAction: click(start_box='(100,200)')"
+
+    world = await make_world(model_state_dir=state_dir, replies=[
+        "Thought: the button\nAction: click(start_box='(100,200)')",
+        lambda: publish("ckpt-2"),  # this reply was made by ckpt-1; the next ones by 2
+        "Thought: done\nAction: finished(content='ok')",
+    ])
+    publish("ckpt-1")
+    result = await world.run()
+    assert [s["model_version"] for s in world.traj()] == ["ckpt-1", "ckpt-1", "ckpt-2"]
+    record = result.record()
+    assert (record["first_model_version"], record["model_version"],
+            record["model_versions"], record["mixed_versions"]) == (
+        "ckpt-1", "ckpt-2", ["ckpt-1", "ckpt-2"], True)
+    assert record["group_id"] == "d/t1/pass-0" and record["pass_index"] == 0

@@ -421,6 +421,22 @@ async def test_a_malformed_reply_is_transient_and_says_what_is_missing(servers):
     assert srv.statuses["garbage"] == 2
 
 
+async def test_the_version_of_an_endpoint_we_do_not_launch_is_what_it_reports(servers):
+    """model.endpoints: a step's version is model.version, else the weights the server says
+    it loaded (vLLM's root in /v1/models), else none, never the served model name."""
+    reports, silent = servers(1, model="policy", root="/ckpt/step-300")[0], servers(
+        1, model="policy", root=None)[0]
+    got = {}
+    for name, srv, kw in (("root", reports, {}), ("silent", silent, {}),
+                          ("tag", silent, {"version": "run7-step300"})):
+        pool = ModelServicePool(model_cfg([srv.url], name="policy", **kw))
+        try:
+            got[name] = (await pool.generate(MESSAGES, "s")).model_version
+        finally:
+            await pool.close()
+    assert got == {"root": "/ckpt/step-300", "silent": None, "tag": "run7-step300"}
+
+
 async def test_endpoint_snapshot(servers):
     (srv,) = servers(1)
     srv.faults = [500]
@@ -431,9 +447,10 @@ async def test_endpoint_snapshot(servers):
     finally:
         await pool.close()
     assert pool.stats()["endpoints"] == [{
-        "url": srv.url, "model_version": None, "draining": False, "outstanding": 0,
+        "url": srv.url, "model_version": "fake-model", "draining": False, "outstanding": 0,
         "served": 0, "consecutive_failures": 1, "ejected": False,
-        "last_error": "HTTP 500: fault 500", "max_model_len": None, "context_asked": False,
+        "last_error": "HTTP 500: fault 500", "max_model_len": None, "context_asked": True,
+        "published": False,
     }]
 
 

@@ -20,8 +20,18 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rollout.results import load_run
-from tests.results_fixtures import RUN_A, RUN_B, Ep, make_osworld_run, make_run
+from rollout.results import load_run, select_versions, version_order
+from tests.results_fixtures import (
+    RUN_A,
+    RUN_B,
+    RUN_V,
+    V1,
+    V2,
+    V3,
+    Ep,
+    make_osworld_run,
+    make_run,
+)
 from tests.support import REPO_ROOT, unavailable
 
 REPO = REPO_ROOT
@@ -217,6 +227,254 @@ def test_a_later_line_for_the_same_episode_wins(tmp_path):
     loaded = load_run(run)
     assert [e.status for e in loaded.episodes] == ["success"]
     assert loaded.problems == []  # a rerun superseding a line is how resume works
+
+
+# --------------------------------------------------------------------------- model versions
+# RUN_V (tests/results_fixtures.py), by start time (pass 0 unless said):
+#   100 os/a/0 V1 success 1.0       130 os/b/1 V2 failure 0.0      160 chrome/d/0 V3 1.0, pass 1
+#   110 os/a/1 V1 failure 0.0       140 chrome/c/0 V2 success 1.0  170 chrome/d/1 V3 infra, pass 1
+#   120 os/b/0 V1->V2 success 1.0   150 chrome/c/1 V2->V3 0.5      180 chrome/e/0 none infra, pass 1
+# V1, V2, V3 = zz-ckpt, aa-ckpt, mm-ckpt: neither name order nor file order (d/0 is first).
+
+
+@pytest.fixture
+def run_v(tmp_path: Path) -> Path:
+    return make_run(tmp_path, "run_v", RUN_V, metrics=False)
+
+
+def _ids(run) -> set[str]:
+    return {e.episode_id for e in run.episodes}
+
+
+def test_versions_are_ordered_by_first_use_in_start_time(run_v):
+    run = load_run(run_v)
+    assert version_order(run) == [V1, V2, V3]
+    assert sorted(version_order(run)) != version_order(run)  # not by name
+    mixed = {e.episode_id: e.model_versions for e in run.episodes if e.mixed_versions}
+    assert mixed == {"os/b/0": (V1, V2), "chrome/c/1": (V2, V3)}
+    # A narrowed run keeps the whole run's order (and numbering).
+    assert version_order(select_versions(run, min_version=V3)) == [V1, V2, V3]
+
+
+def test_min_version_keeps_episodes_that_started_on_it_or_later(run_v, capsys):
+    run = load_run(run_v)
+    # os/b/0 ended on V2 but started on V1: out. chrome/e/0 has no version: out.
+    assert _ids(select_versions(run, min_version=V2)) == {
+        "os/b/1", "chrome/c/0", "chrome/c/1", "chrome/d/0", "chrome/d/1"}  # fmt: skip
+    assert _ids(select_versions(run, min_version=V3)) == {"chrome/d/0", "chrome/d/1"}
+    assert _ids(select_versions(run, min_version=V1)) == _ids(run) - {"chrome/e/0"}
+
+    summary = _json_of(capsys, show_result.main, [str(run_v), "--json", "--min-version", V2])
+    overall = summary["overall"]
+    # Scored: b/1 0.0, c/0 1.0, c/1 0.5, d/0 1.0; d/1 is an infra error.
+    assert (overall["episodes"], overall["scored_episodes"]) == (5, 4)
+    assert overall["success_rate"] == pytest.approx(2.5 / 4)
+    assert overall["mixed_episodes"] == summary["mixed_episodes"] == 1  # chrome/c/1
+    assert summary["versions"] == [V1, V2, V3]  # the whole run's
+    assert summary["selection"] == {"min_version": V2, "exclude_mixed": False,
+                                    "excluded_episodes": 4}  # fmt: skip
+
+    assert show_result.main([str(run_v), "--min-version", V2]) == 0
+    out = capsys.readouterr().out
+    assert f"model versions in order of first use (3): {V1}, {V2}, {V3}; mixed episodes: 1" in out
+    assert f"selected: first version {V2} or later (4 episodes left out)" in out
+
+
+def test_exclude_mixed_alone_and_with_min_version(run_v, capsys):
+    summary = _json_of(capsys, show_result.main, [str(run_v), "--json", "--exclude-mixed"])
+    assert summary["overall"]["episodes"] == 7 and summary["mixed_episodes"] == 0
+    assert summary["overall"]["success_rate"] == pytest.approx(3 / 5)  # a/0 a/1 b/1 c/0 d/0
+    assert summary["selection"]["excluded_episodes"] == 2
+    summary = _json_of(capsys, show_result.main,
+                       [str(run_v), "--json", "--exclude-mixed", "--min-version", V2])  # fmt: skip
+    assert summary["overall"]["episodes"] == 4  # b/1 c/0 d/0 d/1
+    assert summary["overall"]["success_rate"] == pytest.approx(2 / 3)
+    assert summary["selection"] == {"min_version": V2, "exclude_mixed": True,
+                                    "excluded_episodes": 5}  # fmt: skip
+
+
+def test_an_unknown_min_version_is_a_usage_error(run_v, run_a, tmp_path, capsys):
+    expected = (f"show_result.py: error: --min-version nope: not a model version of {run_v}; "
+                f"its versions in order: {V1}, {V2}, {V3}")  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        show_result.main([str(run_v), "--min-version", "nope"])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == expected
+    # As a command: one line on stderr, nothing on stdout.
+    done = _cli("show_result.py", str(run_v), "--min-version", "nope", cwd=tmp_path)
+    assert (done.returncode, done.stdout, done.stderr.strip()) == (2, "", expected)
+    # Every run must know V: run_a (versions m-1 only) does not know V2.
+    with pytest.raises(SystemExit) as exc:
+        experiment_result_stats.main([str(run_v), str(run_a), "--min-version", V2])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        f"experiment_result_stats.py: error: --min-version {V2}: not a model version of "
+        f"{run_a}; its versions in order: m-1")  # fmt: skip
+    with pytest.raises(SystemExit) as exc:
+        compare_exp_result.main([str(run_a), str(run_v), "--min-version", "m-1",
+                                 "-o", str(tmp_path / "c.jsonl")])  # fmt: skip
+    assert exc.value.code == 2
+    assert f"not a model version of {run_v}; its versions in order: {V1}, {V2}, {V3}" in (
+        capsys.readouterr().err)
+    # A run without versions (OSWorld's layout) has none to name.
+    osworld = make_osworld_run(tmp_path)
+    with pytest.raises(SystemExit) as exc:
+        show_result.main([str(osworld), "--min-version", V1])
+    assert exc.value.code == 2
+    assert capsys.readouterr().err.strip().endswith("its versions in order: none")
+
+
+def test_by_version_rows_by_hand(run_v, capsys):
+    summary = _json_of(capsys, show_result.main, [str(run_v), "--json", "--by-version"])
+    rows = {row["version"]: row for row in summary["by_version"]["rows"]}
+    assert [row["version"] for row in summary["by_version"]["rows"]] == [V1, V2, V3, None]
+    # V1: a/0 1.0, a/1 0.0, b/0 1.0 (mixed, under its first version).
+    assert (rows[V1]["episodes"], rows[V1]["mixed_episodes"]) == (3, 1)
+    assert rows[V1]["success_rate"] == pytest.approx(2 / 3)
+    # V2: b/1 0.0, c/0 1.0, c/1 0.5 (mixed).
+    assert (rows[V2]["episodes"], rows[V2]["mixed_episodes"]) == (3, 1)
+    assert rows[V2]["success_rate"] == pytest.approx(0.5)
+    # V3: d/0 1.0 and the infra error d/1 (counted, not scored).
+    assert (rows[V3]["episodes"], rows[V3]["scored_episodes"]) == (2, 1)
+    assert rows[V3]["success_rate"] == pytest.approx(1.0)
+    assert rows[V3]["status_counts"]["infra_error"] == 1
+    # No version: e/0, an infra error before any step.
+    assert (rows[None]["episodes"], rows[None]["scored_episodes"]) == (1, 0)
+    mixed = summary["by_version"]["mixed"]  # b/0 1.0, c/1 0.5
+    assert (mixed["episodes"], mixed["success_rate"]) == (2, pytest.approx(0.75))
+    assert summary["overall"]["success_rate"] == pytest.approx(4.5 / 7)
+    assert summary["mixed_episodes"] == 2 and "by_pass" not in summary
+    assert "by_version" not in _json_of(capsys, show_result.main, [str(run_v), "--json"])
+
+    # The table: the same columns as per domain, plus mixed, a row per version.
+    assert show_result.main([str(run_v), "--by-version"]) == 0
+    out = capsys.readouterr().out
+    table = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+             for line in out.splitlines() if line.startswith("│")}  # fmt: skip
+    assert list(table) == [V1, V2, V3, "(no version)", "mixed", "all"]
+    header = next(line for line in out.splitlines() if line.startswith("┃"))
+    columns = [c.strip() for c in header.split("┃")[2:-1]]
+    assert columns[:3] == ["tasks", "episodes", "success"] and "mixed" in columns
+
+    def cell(row: str, column: str) -> str:
+        return table[row][columns.index(column)]
+
+    assert (cell(V1, "episodes"), cell(V1, "success"), cell(V1, "mixed")) == ("3", "66.7%", "1")
+    assert (cell(V2, "success"), cell(V3, "success"), cell(V3, "infra")) == ("50.0%", "100.0%",
+                                                                             "1")  # fmt: skip
+    assert (cell("(no version)", "episodes"), cell("(no version)", "infra")) == ("0", "1")
+    assert (cell("mixed", "episodes"), cell("mixed", "success")) == ("2", "75.0%")
+    assert cell("all", "success") == "64.3%"
+    # From --min-version on, the earlier versions have no row.
+    summary = _json_of(capsys, show_result.main,
+                       [str(run_v), "--json", "--by-version", "--min-version", V2])  # fmt: skip
+    assert [row["version"] for row in summary["by_version"]["rows"]] == [V2, V3]
+    # V2: b/1, c/0, c/1 as before (b/0, V1's, is left out of every row).
+    assert summary["by_version"]["rows"][0]["episodes"] == 3
+    assert summary["by_version"]["rows"][0]["mixed_episodes"] == 1
+    assert summary["by_version"]["mixed"]["episodes"] == 1
+
+
+def test_by_pass_rows(run_v, capsys):
+    summary = _json_of(capsys, show_result.main, [str(run_v), "--json", "--by-pass"])
+    rows = summary["by_pass"]
+    assert [row["pass_index"] for row in rows] == [0, 1]
+    # Pass 0: a/0 a/1 b/0 b/1 c/0 c/1 = 3.5 / 6; pass 1: d/0 1.0, d/1 and e/0 infra errors.
+    assert rows[0]["success_rate"] == pytest.approx(3.5 / 6)
+    assert (rows[1]["episodes"], rows[1]["scored_episodes"]) == (3, 1)
+    assert rows[1]["success_rate"] == pytest.approx(1.0)
+    assert show_result.main([str(run_v), "--by-pass"]) == 0
+    out = capsys.readouterr().out
+    firsts = [line.split("│")[1].strip() for line in out.splitlines() if line.startswith("│")]
+    assert firsts == ["0", "1", "all"] and "58.3%" in out
+
+
+def test_old_records_without_the_version_fields(run_a, tmp_path, capsys):
+    # RUN_A's lines predate the fields: model_version "m-1" only.
+    assert "model_versions" not in (run_a / "results.jsonl").read_text()
+    run = load_run(run_a)
+    episode = run.episodes[0]
+    assert (episode.first_model_version, episode.model_versions) == ("m-1", ("m-1",))
+    assert (episode.mixed_versions, episode.pass_index, episode.group_size) == (False, 0, None)
+    assert episode.group_id == "chrome/t1/pass-0"
+    plain = _json_of(capsys, show_result.main, [str(run_a), "--json"])
+    assert (plain["versions"], plain["mixed_episodes"]) == (["m-1"], 0)
+    summary = _json_of(capsys, show_result.main,
+                       [str(run_a), "--json", "--by-version", "--by-pass", "--min-version",
+                        "m-1", "--exclude-mixed"])  # fmt: skip
+    assert summary["overall"] == plain["overall"]  # nothing left out
+    assert [(r["version"], r["episodes"]) for r in summary["by_version"]["rows"]] == [("m-1", 13)]
+    assert [(r["pass_index"], r["episodes"]) for r in summary["by_pass"]] == [(0, 13)]
+
+    # Old lines with no version at all, or only some of the new fields.
+    lines = [json.loads(line) for line in (run_a / "results.jsonl").read_text().splitlines()]
+    lines[0]["model_version"] = None  # chrome/t1/0: no version
+    lines[1] |= {"model_version": "m-2", "model_versions": ["m-1", "m-2"]}  # no first, no mixed
+    (run_a / "results.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
+    run = load_run(run_a)
+    assert run.problems == []
+    by_id = {e.episode_id: e for e in run.episodes}
+    assert (by_id["chrome/t1/0"].first_model_version, by_id["chrome/t1/0"].model_versions) == (
+        None, ())  # fmt: skip
+    t1_1 = by_id["chrome/t1/1"]
+    assert (t1_1.first_model_version, t1_1.model_version, t1_1.mixed_versions) == (
+        "m-1", "m-2", True)  # fmt: skip
+    assert version_order(run) == ["m-1", "m-2"]
+    summary = _json_of(capsys, show_result.main, [str(run_a), "--json", "--by-version"])
+    assert [(r["version"], r["episodes"]) for r in summary["by_version"]["rows"]] == [
+        ("m-1", 12), ("m-2", 0), (None, 1)]  # fmt: skip
+    assert summary["mixed_episodes"] == 1
+
+
+def test_a_version_field_of_the_wrong_type_is_a_problem(tmp_path, capsys):
+    run = make_run(tmp_path, "bad", [Ep("os", "a", 0, "success", 1.0, versions=("v",)),
+                                     Ep("os", "b", 0, "failure", 0.0, versions=("v",))],
+                   metrics=False)  # fmt: skip
+    path = run / "results.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[1]["model_versions"] = "v"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    loaded = load_run(run)
+    assert [e.episode_id for e in loaded.episodes] == ["os/a/0"]
+    assert [(p.line, "model_versions" in p.message) for p in loaded.problems] == [(2, True)]
+
+
+def test_stats_and_compare_narrow_every_run_by_version(run_v, tmp_path, capsys):
+    # The same run with other rewards for os/a/0 (V1) and chrome/c/0 (V2).
+    changed = {("os", "a", 0): ("failure", 0.0), ("chrome", "c", 0): ("failure", 0.0)}
+    other = make_run(tmp_path, "run_w", [
+        Ep(e.domain, e.task_id, e.rollout, *changed.get((e.domain, e.task_id, e.rollout),
+                                                        (e.status, e.reward)),
+           steps=e.steps, versions=e.versions, pass_index=e.pass_index, started_at=e.started_at)
+        for e in RUN_V
+    ], metrics=False)  # fmt: skip
+    stats = _json_of(capsys, experiment_result_stats.main,
+                     [str(run_v), str(other), "--json", "--min-version", V2])  # fmt: skip
+    v, w = stats["runs"]
+    assert v["versions"] == w["versions"] == [V1, V2, V3]
+    assert (v["episodes"], v["mixed_episodes"], v["selection"]["excluded_episodes"]) == (5, 1, 4)
+    assert v["success_rate"] == pytest.approx(2.5 / 4)
+    assert w["success_rate"] == pytest.approx(1.5 / 4)
+    assert stats["mean"]["mixed_episodes"] == pytest.approx(1.0)
+    out_csv = tmp_path / "s.csv"
+    assert experiment_result_stats.main([str(run_v), str(other), "--exclude-mixed",
+                                         "-o", str(out_csv)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "run_v: no mixed episodes (2 episodes left out)" in out
+    rows = {row["run"]: row for row in csv.DictReader(out_csv.read_text().splitlines())}
+    assert rows["run_v"]["episodes"] == "7" and rows["run_v"]["mixed_episodes"] == "0"
+
+    out = tmp_path / "changes.jsonl"
+    assert compare_exp_result.main([str(run_v), str(other), "-o", str(out)]) == 0
+    keys = [json.loads(line)["key"] for line in out.read_text().splitlines()]
+    assert keys == ["chrome/c/0", "os/a/0"]
+    assert compare_exp_result.main([str(run_v), str(other), "-o", str(out),
+                                    "--min-version", V2]) == 0  # fmt: skip
+    keys = [json.loads(line)["key"] for line in out.read_text().splitlines()]
+    assert keys == ["chrome/c/0"]  # os/a/0 started on V1 in both runs
+    summary = capsys.readouterr().out
+    assert f"selected: first version {V2} or later (4 episodes left out)" in summary
+    assert f"model versions (3): {V1}, {V2}, {V3}; mixed episodes: 1" in summary
 
 
 # --------------------------------------------------------------------------- stats, compare
@@ -501,13 +759,13 @@ def test_public_surface_of_rollout_results():
     import importlib
 
     package = importlib.import_module("rollout.results")
-    for module_name in ("runs", "rates", "summary", "cli"):
+    for module_name in ("runs", "rates", "summary", "cli", "versions"):
         module = importlib.import_module(f"rollout.results.{module_name}")
         for name in module.__all__:
             assert not name.startswith("_") and hasattr(module, name), (module_name, name)
             assert getattr(package, name) is getattr(module, name), name
     assert sorted(package.__all__) == sorted(
-        name for m in ("runs", "rates", "summary", "cli")
+        name for m in ("runs", "rates", "summary", "cli", "versions")
         for name in importlib.import_module(f"rollout.results.{m}").__all__
     )  # fmt: skip
     for script in ALL_SCRIPTS:

@@ -262,10 +262,43 @@ def test_with_the_grammar_every_reply_parses(pool):
           f"{statistics.median(s for _, s in replies):.2f} s")
 
 
+class _RecordingProxy:
+    """Between the run and the real vLLM server: forwards every request and keeps each
+    completion's raw reply, so the test compares what was stored with what the server
+    itself answered (nothing re-tokenized, nothing lost)."""
+
+    def __init__(self, upstream: str) -> None:
+        from fastapi import FastAPI, Request, Response
+
+        from rollout.http import ThreadedServer
+
+        self.replies: list[dict[str, Any]] = []
+        app = FastAPI()
+
+        @app.api_route("/{path:path}", methods=["GET", "POST"])
+        async def forward(path: str, request: Request) -> Response:
+            async with httpx.AsyncClient(timeout=300) as client:
+                r = await client.request(
+                    request.method, f"{upstream}/{path}", content=await request.body(),
+                    headers={k: v for k, v in request.headers.items()
+                             if k.lower() in ("authorization", "content-type")})
+            if path.endswith("chat/completions") and r.status_code == 200:
+                self.replies.append(r.json())
+            return Response(r.content, r.status_code,
+                            media_type=r.headers.get("content-type"))
+
+        self.server = ThreadedServer(app).start()
+
+    def stop(self) -> None:
+        self.server.stop()
+
+
 def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(pool, tmp):
     """A run against the pool without the grammar: the random model's replies do not
-    parse, are asked again, and the episode ends as UI-TARS agents end it (FAIL)."""
-    cfg, _ = pool
+    parse, are asked again, and the episode ends as UI-TARS agents end it (FAIL). Through
+    a recording proxy: every step's and every dropped reply's prompt ids, completion ids and
+    logprobs in traj.jsonl are exactly one reply of the server, and every reply is there."""
+    cfg, url = pool
     shots = [Screenshot(_png(1280, 720, seed=i)) for i in range(3)]
     replies = _generate_many(cfg, shots, 20, None)
     failures = 0
@@ -277,15 +310,19 @@ def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(poo
     assert failures >= 15, [t for t, _ in replies]
     print(f"\nunconstrained: {20 - failures}/20 parsed")
 
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO_VLM)]
-    for s in (f"run.output_dir={tmp / 'results'}",
-              f"model_pool.state_dir={cfg.model_pool.state_dir}",
-              "model_pool.start_with_run=false", "model.constrain_actions=false",
-              f"desktops.local.state_dir={tmp / 'd'}", "tasks.task_ids=[\"calc-add\"]",
-              "runner.max_parse_retries=2", "ray.include_dashboard=false"):
-        args += ["--set", s]
-    done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S)
+    proxy = _RecordingProxy(url)
+    try:
+        args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO_VLM)]
+        for s in (f"run.output_dir={tmp / 'results'}",
+                  f"model.endpoints=[\"{proxy.server.url}\"]",
+                  "model_pool.start_with_run=false", "model.constrain_actions=false",
+                  f"desktops.local.state_dir={tmp / 'd'}", "tasks.task_ids=[\"calc-add\"]",
+                  "runner.max_parse_retries=2", "ray.include_dashboard=false"):
+            args += ["--set", s]
+        done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S)
+    finally:
+        proxy.stop()
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = tmp / "results" / "demo_vlm"
     (result,) = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
@@ -297,6 +334,36 @@ def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(poo
     assert unparsed[-1] is steps[-1] and unparsed[-1]["parse_retries"] == 2
     assert result["last_action"] == "FAIL" and result["status"] in (  # ... and ended it
         Status.FAILURE.value, Status.SUCCESS.value)
+
+    # The version is what the server says it loaded (vLLM's root), not the served name.
+    checkpoint = str(cfg.model_pool.checkpoint)
+    assert result["model_version"] == result["first_model_version"] == checkpoint
+    assert result["model_versions"] == [checkpoint] and result["mixed_versions"] is False
+
+    def raw(reply: dict[str, Any]) -> tuple[Any, ...]:
+        choice = reply["choices"][0]
+        return (choice["message"]["content"], reply["prompt_token_ids"], choice["token_ids"],
+                [t["logprob"] for t in choice["logprobs"]["content"]])
+
+    def stored(g: dict[str, Any]) -> tuple[Any, ...]:
+        return g["response"], g["prompt_token_ids"], g["token_ids"], g["logprobs"]
+
+    generations = [g for s in steps for g in (*s.get("discarded", []), s)]
+    assert sum(len(s.get("discarded", [])) for s in steps) == sum(
+        s["parse_retries"] for s in steps) > 0  # dropped replies are kept, marked
+    assert all(d["error"] and d["model_version"] == checkpoint
+               for s in steps for d in s.get("discarded", []))
+    assert sorted(map(repr, map(stored, generations))) == sorted(
+        map(repr, map(raw, proxy.replies)))  # each reply once, exactly as the server sent it
+    per_image = image_tokens(1280, 720)
+    for s in steps:
+        assert [i["tokens"] for i in s["images"]] == [per_image] * len(s["images"])
+        assert all((episode / i["file"]).is_file() for i in s["images"])
+        spans = s["image_spans"]
+        assert len(spans) == len(s["images"]) and all(n == per_image for _, n in spans)
+        pad = {s["prompt_token_ids"][a] for a, _ in spans}
+        assert len(pad) == 1 and all(
+            s["prompt_token_ids"][a:a + n] == [*pad] * n for a, n in spans)
 
 
 def test_a_request_longer_than_the_served_context_is_not_sent(pool):

@@ -30,11 +30,14 @@ tasks:
   poll_interval_s: 30
   dynamic_rollouts: {enabled: true, threshold: 0.75, min_n: 2, window: 8}
   rerun_infra_errors: false
+  passes: 3
+  checkpoint_barrier: {enabled: true, timeout_s: 600}
 model:
   name: ui-tars-1.5-7b
   family: uitars-1.0
   endpoints: ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
   endpoints_url: null  # excludes endpoints
+  version: ckpt-7
   api_key_env: MY_KEY
   scripted: false
   scripted_error_rate: 0.1
@@ -135,7 +138,9 @@ runner: {max_steps: 15, history_images: 3, history_texts: 10, action_pause_s: 0.
          episode_timeout_s: 600, evaluation_timeout_s: 60, save_screenshots: false}
 evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path: /src/OSWorld,
              worker_start_timeout_s: 30}
-storage: {queue_max_items: 64, save_messages: false, fsync: true}
+storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
+          database_url: "postgresql+psycopg://rollout@db:5432/rollout",
+          database_password_env: DB_PASSWORD}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false}
 """
 

@@ -548,37 +548,143 @@ def test_loader_follows_the_formula_from_recorded_results(wins: int, n: int) -> 
     loader = TaskLoader(cfg, Path("/nonexistent-run-dir"))
     for i in range(window * 2):  # older results fall out of the window
         reward = 0.0 if i < window else float(i - window < wins)
-        loader.record_result("calc-add", "calculator", reward)
+        _scored(loader, reward, rollout=i)
     assert loader.rollouts_for("calc-add", "calculator") == n
     assert loader.rollouts_for("calc-sqrt", "calculator") == 8
 
 
-def test_dynamic_rollouts_on_later_polls(tmp_path: Path) -> None:
+def _scored(loader: TaskLoader, reward: float | None, rollout: int = 0,
+            task: str = "calc-add", domain: str = "calculator") -> None:
+    """Feed the loader a final result (reward None: an infra error)."""
+    status = "infra_error" if reward is None else "success" if reward >= 1 else "failure"
+    loader.record_result({"task_id": task, "domain": domain, "rollout": rollout,
+                          "status": status, "reward": reward})
+
+
+def test_dynamic_rollouts_size_each_new_group(tmp_path: Path) -> None:
+    """A group is sized when it is planned; a later change of the rate sizes the next one."""
     cfg = TasksConfig(
         source=SUITE / "examples",
         task_ids=["calc-add"],
         rollouts_per_task=4,
-        poll_interval_s=1.0,
+        passes=3,
         dynamic_rollouts=DynamicRolloutsConfig(enabled=True, window=4),
     )
     loader = TaskLoader(cfg, tmp_path)
+    first = loader.poll()
+    assert [(s.rollout, s.pass_index, s.group_size) for s in first] == [
+        (r, 0, 4) for r in range(4)]
+    assert loader.total_known() == 12  # this group, and two more at 4 for now
+    for spec in first:
+        _scored(loader, 1.0, rollout=spec.rollout)
+    second = loader.poll()  # solved: min_n
+    assert [(s.rollout, s.pass_index, s.group_size) for s in second] == [(4, 1, 2), (5, 1, 2)]
+    assert loader.total_known() == 4 + 2 + 2
+    for spec in second:
+        _scored(loader, 0.0, rollout=spec.rollout)
+    # Failing again (the window of 4 holds 1, 1, 0, 0): the next group gets 4 back.
+    third = loader.poll()
+    assert [(s.rollout, s.group_size, s.group_id) for s in third] == [
+        (r, 4, "calculator/calc-add/pass-2") for r in (8, 9, 10, 11)]
+    assert loader.poll() == [] and loader.exhausted()
+
+
+def test_passes_shrink_a_solved_task_to_min_n_and_keep_a_hard_one_at_the_maximum(
+        tmp_path: Path) -> None:
+    cfg = TasksConfig(source=SUITE / "examples", task_ids=["calc-add", "calc-sqrt"],
+                      rollouts_per_task=8, passes=4,
+                      dynamic_rollouts=DynamicRolloutsConfig(enabled=True, window=16))
+    loader = TaskLoader(cfg, tmp_path)
+    sizes: dict[str, list[int]] = {"calc-add": [], "calc-sqrt": []}
     for _ in range(4):
-        loader.record_result("calc-add", "calculator", 1.0)
-    # Solved: only min_n rollouts are handed out.
+        specs = loader.poll()
+        by_task: dict[str, list[EpisodeSpec]] = {}
+        for spec in specs:
+            by_task.setdefault(spec.task_id, []).append(spec)
+        for task, group in by_task.items():
+            assert {s.group_size for s in group} == {len(group)}
+            sizes[task].append(len(group))
+            for spec in group:  # calc-add always solved, calc-sqrt never
+                _scored(loader, 1.0 if task == "calc-add" else 0.0, rollout=spec.rollout,
+                        task=task)
+        assert not loader.exhausted() or len(sizes["calc-add"]) == 4
+    assert sizes == {"calc-add": [8, 2, 2, 2], "calc-sqrt": [8, 8, 8, 8]}
+    assert loader.poll() == [] and loader.exhausted()
+
+
+def test_a_new_pass_waits_until_the_tasks_group_is_final(tmp_path: Path) -> None:
+    loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2, passes=0)
     assert [s.rollout for s in loader.poll()] == [0, 1]
-    assert loader.total_known() == 2
-    # Failing again: the task gets its configured rollouts back, only the missing ones.
-    for _ in range(4):
-        loader.record_result("calc-add", "calculator", 0.0)
-    loader.record_result("calc-add", "calculator", None)  # an infra error is not a score
-    assert [s.rollout for s in loader.poll()] == [2, 3]
+    _scored(loader, 1.0, rollout=0)
+    assert loader.poll() == []  # rollout 1 still runs
+    loader.record_result({"task_id": "calc-add", "domain": "calculator", "rollout": 1,
+                          "status": "cancelled", "reward": None})
+    assert loader.poll() == []  # cancelled is not final
+    _scored(loader, None, rollout=1)  # an infra error after its retries is final
+    assert [(s.rollout, s.pass_index) for s in loader.poll()] == [(2, 1), (3, 1)]
+    assert not loader.exhausted()  # passes: 0 never ends
+
+
+def test_a_resumed_run_finds_its_groups_again(tmp_path: Path) -> None:
+    """Pass 1 of 3 planned with 3 of 4 rollouts, one done: its other two run, as planned
+    (not resized), and pass 2 waits for them."""
+    def line(rollout: int, pass_index: int, size: int, status: str = "success") -> str:
+        return json.dumps({"domain": "calculator", "task_id": "calc-add", "rollout": rollout,
+                           "status": status, "reward": 1.0, "pass_index": pass_index,
+                           "group_size": size})
+    _results(tmp_path, [line(0, 0, 4), line(1, 0, 4), line(2, 0, 4), line(3, 0, 4),
+                        line(4, 1, 3)])
+    loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=4, passes=3,
+                     dynamic_rollouts=DynamicRolloutsConfig(enabled=True, window=4))
+    assert [(s.rollout, s.pass_index, s.group_size) for s in loader.poll()] == [
+        (5, 1, 3), (6, 1, 3)]
+    assert loader.total_known() == 4 + 3 + 2  # pass 2 at min_n for now
+    for rollout in (5, 6):
+        _scored(loader, 1.0, rollout=rollout)
+    assert [(s.rollout, s.group_size) for s in loader.poll()] == [(8, 2), (9, 2)]
+    # A different rollouts_per_task cannot place the recorded groups: a clear error.
+    with pytest.raises(ConfigError, match="rollouts_per_task"):
+        _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2, passes=3)
+
+
+def test_the_checkpoint_barrier_holds_new_groups_only(tmp_path: Path) -> None:
+    from config import CheckpointBarrierConfig
+
+    reason: list[str | None] = ["reload 3 to ckpt-2 under way"]
+    _results(tmp_path, [json.dumps({"domain": "calculator", "task_id": "calc-add",
+                                    "rollout": 0, "status": "failure", "reward": 0.0,
+                                    "pass_index": 0, "group_size": 2})])
+    loader = TaskLoader(TasksConfig(source=TASK_LIST, task_ids=["calc-add", "calc-sqrt"],
+                                    rollouts_per_task=2, passes=2,
+                                    checkpoint_barrier=CheckpointBarrierConfig(enabled=True)),
+                        tmp_path / "run", barrier=lambda: reason[0])
+    # The resumed group's missing rollout runs; no new group starts (calc-sqrt waits).
+    assert [(s.task_id, s.rollout) for s in loader.poll()] == [("calc-add", 1)]
+    assert loader.waiting is not None and "ckpt-2" in loader.waiting
+    reason[0] = None
+    assert [(s.task_id, s.rollout) for s in loader.poll()] == [("calc-sqrt", 0),
+                                                                ("calc-sqrt", 1)]
+    assert loader.waiting is None
+
+
+def test_the_checkpoint_barrier_gives_way_after_its_timeout(tmp_path: Path) -> None:
+    from config import CheckpointBarrierConfig
+
+    loader = TaskLoader(TasksConfig(source=TASK_LIST, task_ids=["calc-add"],
+                                    checkpoint_barrier=CheckpointBarrierConfig(
+                                        enabled=True, timeout_s=0.2)),
+                        tmp_path / "run", barrier=lambda: "replicas serve v1, v2")
     assert loader.poll() == []
+    import time
+
+    time.sleep(0.25)
+    assert [s.rollout for s in loader.poll()] == [0]
 
 
 def test_dynamic_rollouts_off_ignores_results(tmp_path: Path) -> None:
     loader = _loader(tmp_path, rollouts_per_task=8, task_ids=["calc-add"])
-    for _ in range(5):
-        loader.record_result("calc-add", "calculator", 1.0)
+    for i in range(5):
+        _scored(loader, 1.0, rollout=i + 100)
     assert len(loader.poll()) == 8
 
 
