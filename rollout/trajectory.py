@@ -48,27 +48,17 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
         "observation_file": observation_file,
         "thought": parsed.thought if parsed else None,
         "actions": [action_dict(a) for a in parsed.actions] if parsed else [],
-        "model_endpoint": generation.endpoint,
-        "model_version": generation.model_version,
         "parse_retries": parse_retries,
-        "prompt_tokens": generation.prompt_tokens,
-        "completion_tokens": generation.completion_tokens,
         "constrained": constrained,
+        **_generated(generation, token_ids=token_ids, logprobs=logprobs),
     }
-    if token_ids:
-        record["token_ids"] = generation.token_ids
-        record["prompt_token_ids"] = generation.prompt_token_ids
-    if logprobs:
-        record["logprobs"] = generation.logprobs
     return record
 
 
-def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
-                         logprobs: bool) -> dict[str, Any]:
-    """A reply dropped because it did not parse (the step asked again): kept in its step's
-    ``discarded`` list with what the server produced, so a trainer can use or mask it."""
-    out: dict[str, Any] = {"response": generation.text, "error": error,
-                           "model_endpoint": generation.endpoint,
+def _generated(generation: Generation, *, token_ids: bool, logprobs: bool) -> dict[str, Any]:
+    """What a record keeps of a reply besides its text: where and by which version it was
+    made, its token counts, and (when asked for) its token ids and logprobs."""
+    out: dict[str, Any] = {"model_endpoint": generation.endpoint,
                            "model_version": generation.model_version,
                            "prompt_tokens": generation.prompt_tokens,
                            "completion_tokens": generation.completion_tokens}
@@ -78,6 +68,14 @@ def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
     if logprobs:
         out["logprobs"] = generation.logprobs
     return out
+
+
+def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
+                         logprobs: bool) -> dict[str, Any]:
+    """A reply dropped because it did not parse (the step asked again): kept in its step's
+    ``discarded`` list with what the server produced, so a trainer can use or mask it."""
+    return {"response": generation.text, "error": error,
+            **_generated(generation, token_ids=token_ids, logprobs=logprobs)}
 
 
 def image_spans(prompt_token_ids: list[int] | None, counts: list[int]

@@ -118,3 +118,88 @@ async def test_an_episode_id_cannot_leave_the_run_directory(tmp_path: Path):
     assert storage.stats()["errors"] == 1
     assert not (tmp_path / "etc").exists()
     await storage.close()
+
+
+# --------------------------------------------------------------------------- the trainer's index
+
+
+def _group_record(episode_id: str, reward: float, size: int = 2) -> dict:
+    return {**_record(episode_id, reward=reward), "status": "success" if reward else "failure",
+            "pass_index": 0, "group_size": size, "model_version": "v1",
+            "group_id": "d/t/pass-0"}
+
+
+async def test_results_reach_the_index_and_a_group_once_it_is_complete(tmp_path: Path):
+    from rollout.training import TrainingIndex, default_url
+
+    storage = StorageActor(tmp_path / "run")
+    await storage.start_run({"run": "t"})
+    await storage.record_result(_group_record("d/t/0", 1.0))
+    await storage.flush()
+    await storage.record_result(_group_record("d/t/1", 0.0))
+    await storage.end_run("finished")  # waits for the index
+    assert storage.stats()["indexed"] == 2 and storage.stats()["groups"] == 1
+    await storage.close()
+    with TrainingIndex(default_url(tmp_path / "run")) as index:
+        (group,) = index.groups()
+        assert group.group["rewards"] == [1.0, 0.0] and group.state == "ready"
+
+
+async def test_a_failing_index_is_retried_and_loses_nothing(tmp_path: Path, monkeypatch):
+    import storage_actor
+
+    monkeypatch.setattr(storage_actor, "backoff_s", lambda *a, **k: 0.01)
+    storage = StorageActor(tmp_path / "run")
+    await storage.start_run({"run": "t"})
+    real, failures = storage._index.record_episodes, [2]
+
+    def flaky(*args):
+        if failures[0]:
+            failures[0] -= 1
+            raise OSError("database is gone")
+        return real(*args)
+
+    storage._index.record_episodes = flaky
+    await storage.record_result(_group_record("d/t/0", 1.0))
+    await storage.record_result(_group_record("d/t/1", 1.0))
+    await storage.end_run("finished")
+    stats = storage.stats()
+    assert (stats["indexed"], stats["groups"], stats["index_errors"]) == (2, 1, 2)
+    assert stats["index_pending"] == 0
+    await storage.close()
+
+
+async def test_an_index_that_cannot_be_opened_stops_the_start_by_name(tmp_path: Path):
+    import socket
+
+    import pytest
+
+    from rollout.errors import StorageError
+
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = StorageConfig(database_url=f"postgresql+psycopg://nobody@127.0.0.1:{port}/x")
+    storage = StorageActor(tmp_path / "run", cfg)
+    with pytest.raises(StorageError, match=r"storage\.database_url.*127\.0\.0\.1"):
+        await storage.start_run({"run": "t"})
+    await storage.close()
+
+
+async def test_a_new_start_brings_the_index_up_to_date(tmp_path: Path):
+    """A result line written while the index was unreachable (or a deleted index.db) is
+    indexed when the run starts again."""
+    from rollout.layout import INDEX_FILE
+
+    run = tmp_path / "run"
+    storage = StorageActor(run, StorageConfig(index=False))
+    await storage.start_run({"run": "t"})
+    for i in range(2):
+        await storage.record_result(_group_record(f"d/t/{i}", 1.0))
+    await storage.end_run("finished")
+    await storage.close()
+    assert not (run / INDEX_FILE).exists()
+    storage = StorageActor(run)
+    repaired = await storage.start_run({"run": "t"})
+    assert repaired["index"]["groups"] == 1, repaired
+    await storage.close()

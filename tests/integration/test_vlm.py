@@ -39,6 +39,7 @@ from rollout.fleet.child import PoolChild
 from rollout.fleet.launch import RequestShape
 from rollout.screenshot import Screenshot
 from rollout.testing.tiny_models import build_tiny_vlm
+from rollout.training import TrainingIndex, default_url, export
 from rollout.types import SCORED_STATUSES, Status
 from tests.support import REPO_ROOT, require_vlm_serving
 from ui_tars_utils import (
@@ -355,6 +356,15 @@ def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(poo
                for s in steps for d in s.get("discarded", []))
     assert sorted(map(repr, map(stored, generations))) == sorted(
         map(repr, map(raw, proxy.replies)))  # each reply once, exactly as the server sent it
+    # The trainer's export carries the same ids and logprobs, step by step.
+    export_file = tmp / "steps.jsonl"
+    with TrainingIndex(default_url(run_dir)) as index:
+        assert export(export_file, index, per="step") == len(steps)
+    rows = [json.loads(x) for x in export_file.read_text().splitlines()]
+    assert [(r["step_num"], r["prompt_token_ids"], r["token_ids"], r["logprobs"],
+             r["reward"], len(r["discarded"])) for r in rows] == [
+        (s["step_num"], s["prompt_token_ids"], s["token_ids"], s["logprobs"],
+         result["reward"], len(s.get("discarded", []))) for s in steps]
     per_image = image_tokens(1280, 720)
     for s in steps:
         assert [i["tokens"] for i in s["images"]] == [per_image] * len(s["images"])
