@@ -31,12 +31,14 @@ from typing import Any
 import httpx
 import pytest
 import yaml
+from fastapi import FastAPI, Request, Response
 
 from config import Config, load_config
 from model_service_pool import ModelServicePool
 from rollout.errors import ActionParseError, ContextTooShort
 from rollout.fleet.child import PoolChild
 from rollout.fleet.launch import RequestShape
+from rollout.http import ThreadedServer
 from rollout.screenshot import Screenshot
 from rollout.testing.tiny_models import build_tiny_vlm
 from rollout.training import TrainingIndex, default_url, export
@@ -269,10 +271,6 @@ class _RecordingProxy:
     itself answered (nothing re-tokenized, nothing lost)."""
 
     def __init__(self, upstream: str) -> None:
-        from fastapi import FastAPI, Request, Response
-
-        from rollout.http import ThreadedServer
-
         self.replies: list[dict[str, Any]] = []
         app = FastAPI()
 
@@ -327,6 +325,7 @@ def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(poo
     assert done.returncode == 0, done.stderr[-4000:]
     run_dir = tmp / "results" / "demo_vlm"
     (result,) = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
+    assert result["status"] in SCORED_STATUSES, (result["error"], done.stderr[-3000:])
     episode = run_dir / result["domain"] / result["task_id"] / "0"
     steps = [json.loads(x) for x in (episode / "traj.jsonl").read_text().splitlines()]
     assert all(s["constrained"] is False for s in steps)
