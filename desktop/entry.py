@@ -14,6 +14,8 @@ Settings come from the environment, so any engine or pod template can set them:
                             ``container`` provider without desktops.token_env)
     SCREEN_WIDTH, SCREEN_HEIGHT   the screen (default 1920x1080)
     CUA_DESKTOP_ID          the tag of the desktop's processes (default: the host name)
+    CUA_DESKTOP_WARM_ACTIONS=0   every /execute command in a fresh process (default: plain
+                            pyautogui actions in the server's warm interpreter)
 """
 
 from __future__ import annotations

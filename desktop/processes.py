@@ -36,6 +36,7 @@ __all__ = [
     "ENV_ALLOW_VAR",
     "MAX_OUTPUT_BYTES",
     "PIPE_GRACE_S",
+    "WARM_ACTIONS_VAR",
     "AppTracker",
     "Completed",
     "allowed_env",
@@ -56,6 +57,10 @@ ENV_ALLOW_VAR = "CUA_DESKTOP_ENV_ALLOW"
 """Names to add to ``CHILD_ENV_ALLOW`` for an image whose apps need more (e.g.
 ``http_proxy,https_proxy,no_proxy``), separated by commas or spaces; ``NAME*`` is a prefix.
 It is read from the server's environment (a local desktop passes on the controller's)."""
+WARM_ACTIONS_VAR = "CUA_DESKTOP_WARM_ACTIONS"
+"""``0`` (or false, no, off) turns off the server's warm interpreter of actions
+(``desktop.actions``) where its command line does not say (``--[no-]warm-actions``); on the
+allowlist, so a local desktop's server gets it from the controller's environment."""
 CHILD_ENV_ALLOW: tuple[str, ...] = (
     # the X display, the user, the shell, locale and time zone
     "DISPLAY", "XAUTHORITY", "HOME", "USER", "LOGNAME", "SHELL", "PATH", "TERM", "TZ",
@@ -69,6 +74,7 @@ CHILD_ENV_ALLOW: tuple[str, ...] = (
     "CUA_CHROMIUM_PORT",  # where desktop/apps/google-chrome puts DevTools (protocol.py)
     "CUA_VLC_PORT",  # where desktop/apps/vlc opens VLC's HTTP interface (protocol.py)
     ENV_ALLOW_VAR,  # travels with the environment it shapes (a local desktop's server)
+    WARM_ACTIONS_VAR,  # likewise: a local desktop's server reads it
 )  # fmt: skip
 """The variables children of the desktop (and of a local desktop's launcher) inherit; a name
 ending in ``*`` is a prefix. Everything else, tokens and API keys included, is dropped.

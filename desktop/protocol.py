@@ -24,6 +24,7 @@ __all__ = [
     "FILE_PATH_FIELD",
     "VLC_PORT_VAR",
     "AccessibilityReply",
+    "ActionsReply",
     "AppInfo",
     "AppsReply",
     "CommandReply",
@@ -69,6 +70,7 @@ class Paths:
     SETUP_EXECUTE = "/setup/execute"  # POST CommandRequest: CommandReply
     RUN_PYTHON = "/run_python"  # POST RunPythonRequest: RunPythonReply
     RUN_BASH_SCRIPT = "/run_bash_script"  # POST RunBashScriptRequest: CommandReply
+    ACTIONS = "/actions"  # GET: ActionsReply (not in OSWorld)
     # Files
     LIST_DIRECTORY = "/list_directory"  # POST ListDirectoryRequest: ListDirectoryReply
     FILE = "/file"  # POST form FILE_PATH_FIELD: the file's bytes
@@ -216,6 +218,31 @@ class RunPythonErrorReply(ReplyModel):
     error: str
     need_more: bool = False
     output: str | None = None
+
+
+class ActionsReply(ReplyModel):
+    """How ``/execute`` ran its commands (not in OSWorld): plain pyautogui actions in the
+    server's warm interpreter, the rest in fresh processes (``desktop/actions.py``)."""
+
+    enabled: bool
+    """Whether plain actions run in the warm interpreter (the server's ``--warm-actions``)."""
+    worker_pid: int | None
+    """The warm interpreter's pid; None while none runs."""
+    warm: int
+    """Actions run in the warm interpreter."""
+    fresh: int
+    """Commands run in a fresh process."""
+    fallbacks: int
+    """Of ``fresh``: plain actions the warm interpreter could not take (not started, or the
+    display changed under it)."""
+    starts: int
+    restarts: int
+    """Starts of the warm interpreter after the first."""
+    timeouts: int
+    deaths: int
+    """Ends of the warm interpreter the server did not ask for (a crash, a kill)."""
+    start_failures: int
+    last_error: str | None = None
 
 
 class ScreenSizeReply(ReplyModel):

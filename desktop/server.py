@@ -50,6 +50,12 @@ own limit, so a command its caller gave up on does not run on; ``/run_python`` r
 server's own interpreter (the one with pyautogui); children get an allowlisted environment, not
 the server's; the recording is per server, not ``/tmp/recording.mp4``.
 
+Plain pyautogui actions (the code OSWorld's client posts for the agent's clicks, keys and
+typing, ``desktop.actions.plain_action``) run in one warm interpreter instead of a new process
+each, with the same output, exit status and time limit; ``--no-warm-actions`` (or
+``$CUA_DESKTOP_WARM_ACTIONS=0``) runs every command in a fresh process. ``GET /actions`` (not
+in OSWorld) counts how commands ran.
+
 Not in OSWorld, for resets: ``GET /apps`` lists the live processes the server started (apps of
 ``/setup/launch`` and ``/setup/open_file``, commands still running and whatever commands left
 running, found by session id); ``POST /apps/kill`` ends them all (SIGTERM, SIGKILL after a
@@ -72,6 +78,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
 from desktop.errors import RequestBodyError
+from desktop.processes import WARM_ACTIONS_VAR
 from desktop.protocol import ErrorReply, MessageReply
 from desktop.routes import ROUTERS
 from desktop.routes.common import body_error_reply, json_reply
@@ -177,11 +184,26 @@ def _parser() -> argparse.ArgumentParser:
             default=getattr(d, name),
             help=f"{help_text} (default: %(default)s)",
         )
+    p.add_argument(
+        "--warm-actions",
+        action=argparse.BooleanOptionalAction,
+        default=_env_flag(WARM_ACTIONS_VAR, d.warm_actions),
+        help="run plain pyautogui actions of /execute in one warm interpreter instead of a new "
+        f"process each (default: ${WARM_ACTIONS_VAR}, else on)",
+    )
     p.add_argument("--a11y-python", default=d.a11y_python, help="interpreter with pyatspi")
     p.add_argument("--record-fps", type=int, default=d.record_fps, help="recording frame rate")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     p.add_argument("--access-log", action="store_true", help="log every request")
     return p
+
+
+def _env_flag(name: str, default: bool) -> bool:
+    """A yes/no setting from ``$name`` (0, false, no, off: no); ``default`` when unset."""
+    value = os.environ.get(name, "").strip().lower()
+    if not value:
+        return default
+    return value not in ("0", "false", "no", "off")
 
 
 def _take_secret(name: str) -> str | None:
@@ -230,6 +252,7 @@ def main(argv: list[str] | None = None) -> None:
                 "kill_grace_s",
                 "a11y_python",
                 "record_fps",
+                "warm_actions",
             )
         },
     )

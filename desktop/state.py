@@ -1,5 +1,6 @@
 """What one desktop server is configured with (``ServerSettings``) and what it holds while it
-runs (``ServerState``: screen, started apps, recorder, accessibility, download client).
+runs (``ServerState``: screen, started apps, recorder, accessibility, download client, the
+warm interpreter of actions).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 import httpx
 
 from desktop.accessibility import Accessibility
+from desktop.actions import ActionExecutor
 from desktop.display import write_placeholder_xauthority
 from desktop.processes import AppTracker, child_env
 from desktop.recording import Recorder
@@ -58,6 +60,9 @@ class ServerSettings:
     """Deadline for ffmpeg to finish a recording after SIGINT (OSWorld: 15 s)."""
     kill_grace_s: float = 3.0
     """Between SIGTERM and SIGKILL when ``/apps/kill`` ends the launched apps."""
+    warm_actions: bool = True
+    """Run plain pyautogui actions of ``/execute`` in one warm interpreter instead of a new
+    process each (``desktop.actions``); off: every command in a fresh process, as OSWorld."""
 
 
 @dataclass
@@ -75,6 +80,8 @@ class ServerState:
     """For downloads."""
     env: dict[str, str]
     """The environment of every child."""
+    actions: ActionExecutor
+    """The warm interpreter of plain ``/execute`` actions (not an app: resets keep it)."""
 
 
 @contextlib.asynccontextmanager
@@ -109,10 +116,13 @@ async def open_state(settings: ServerSettings) -> AsyncIterator[ServerState]:
             follow_redirects=True,
         ),
         env=env,
+        actions=ActionExecutor(env, enabled=settings.warm_actions),
     )
+    state.actions.prestart()
     try:
         yield state
     finally:
+        await state.actions.close()
         await state.recorder.kill()
         await state.apps.kill_all(settings.kill_grace_s)
         await state.http.aclose()

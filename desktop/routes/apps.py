@@ -95,5 +95,8 @@ async def list_apps(state: State) -> JSONResponse:
 async def kill_apps(state: State) -> JSONResponse:
     """End every process the server started: what ``/setup/launch`` and
     ``/setup/open_file`` started and what commands left running (not in OSWorld)."""
+    # An action running in the warm interpreter is a running command too (the idle
+    # interpreter is not an app, and stays).
+    await state.actions.interrupt(state.settings.kill_grace_s)
     ended = await state.apps.kill_all(state.settings.kill_grace_s)
     return json_reply(KillAppsReply(**ended))

@@ -1,8 +1,11 @@
-"""Routes that run code on the desktop: ``/execute`` (and ``/setup/execute``),
-``/run_python`` and ``/run_bash_script``.
+"""Routes that run code on the desktop: ``/execute`` (and ``/setup/execute``; plain pyautogui
+actions in the warm interpreter of ``desktop.actions``, the rest in a fresh process),
+``/run_python``, ``/run_bash_script``, and ``/actions`` (how ``/execute`` ran its commands).
 """
 
 from __future__ import annotations
+
+import time
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
@@ -12,11 +15,13 @@ from desktop.commands import (
     run_bash_script,
     run_command,
     run_python,
+    shell_argv,
     time_limit,
     working_dir,
 )
 from desktop.errors import CommandError, CommandTimeout, NoSuchPath
 from desktop.protocol import (
+    ActionsReply,
     CommandReply,
     MessageReply,
     Paths,
@@ -36,12 +41,19 @@ async def execute(request: Request, state: State) -> JSONResponse:
     data = await read_json(request)
     try:
         command = read_command(data)
-        result = await run_command(
-            command,
-            timeout_s=time_limit(command, state.settings.execute_timeout_s),
-            env=state.env,
-            tracker=state.apps,
-        )
+        timeout_s = time_limit(command, state.settings.execute_timeout_s)
+        started = time.monotonic()
+        code = state.actions.plain(command)
+        result = None
+        if code is not None:
+            result = await state.actions.run(code, shell_argv(command), timeout_s=timeout_s)
+        if result is None:
+            state.actions.count_fresh(plain=code is not None)
+            if code is not None:  # what the warm interpreter's attempt left of the limit
+                timeout_s = max(timeout_s - (time.monotonic() - started), 0.001)
+            result = await run_command(
+                command, timeout_s=timeout_s, env=state.env, tracker=state.apps
+            )
     except CommandError as exc:  # OSWorld's server answers 500 for every one of them
         return json_reply(MessageReply(status="error", message=str(exc)), 500)
     return json_reply(
@@ -52,6 +64,12 @@ async def execute(request: Request, state: State) -> JSONResponse:
             returncode=result.returncode,
         )
     )
+
+
+@router.get(Paths.ACTIONS)
+async def actions(state: State) -> JSONResponse:
+    """How ``/execute`` ran its commands: warm, fresh, restarts (not in OSWorld)."""
+    return json_reply(ActionsReply(**state.actions.stats()))
 
 
 @router.post(Paths.RUN_PYTHON)
