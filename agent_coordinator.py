@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import itertools
 import logging
+import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
@@ -105,6 +106,10 @@ class AgentCoordinator:
         self._runners: list[_Runner] = []
         self._runner_ids = itertools.count()
         self._batch: set[str] = set()
+        self._batch_size = 0                  # episodes the current batch started with
+        self._batch_final = 0                 # of them final (recorded) so far
+        self._batch_cut: asyncio.Task[None] | None = None  # the straggler cut, once armed
+        self._cut: dict[str, str] = {}        # episode -> why it is being cut
         self._finished: list[dict[str, Any]] = []    # not yet handed to poll()
         self._tasks = TaskSet()
         self._wake: asyncio.Event | None = None
@@ -163,6 +168,7 @@ class AgentCoordinator:
             "episodes_by_status": {s.removeprefix("status_"): n for s, n in self.counters.items()
                                    if s.startswith("status_")},
             "retries": self.counters["retries"],
+            "cut": self.counters["cut"],
             "runners": sum(r.alive for r in self._runners),
             "runners_replaced": self.counters["runners_died"],
             "success_rate": self._success_rate(),
@@ -265,6 +271,10 @@ class AgentCoordinator:
                 # The previous batch is complete: the next one is the next `limit` episodes.
                 self._batch = {spec.episode_id for spec, _ in itertools.islice(self._queue,
                                                                                  limit)}
+                self._batch_size, self._batch_final = len(self._batch), 0
+                if self._batch_cut is not None:
+                    self._batch_cut.cancel()
+                    self._batch_cut = None
             if self._queue[0][0].episode_id not in self._batch:
                 return None  # wait for the whole batch (retries included) to finish
         return self._queue.popleft()
@@ -406,6 +416,10 @@ class AgentCoordinator:
 
     async def _handle_result(self, spec: EpisodeSpec, result: EpisodeResult) -> None:
         cfg = self.cfg.coordinator
+        cut = self._cut.pop(spec.episode_id, None)
+        if cut is not None and result.status in (Status.CANCELLED, Status.INFRA_ERROR):
+            await self._record_cut(spec, result, cut)
+            return
         if result.status == Status.CANCELLED or (
                 self._cancelling and result.status == Status.INFRA_ERROR):
             # Not recorded: a rerun of the same command runs it again.
@@ -447,13 +461,68 @@ class AgentCoordinator:
             # Not recorded: the episode is not in results.jsonl, so a rerun runs it again.
             self._stop(f"storage: cannot record episode {spec.episode_id}: {one_line(exc)}")
             return
-        self._batch.discard(spec.episode_id)
+        if spec.episode_id in self._batch:
+            self._batch.discard(spec.episode_id)
+            self._batch_final += 1
+            self._arm_batch_cut()
         self._finished.append(record)
         self.counters[f"status_{result.status}"] += 1
         if result.status in SCORED_STATUSES and result.reward is not None:
             self._rewards_sum += result.reward
             self._rewards_n += 1
         self._metrics.episode(result.status, spec.domain)
+
+    # ----------------------------------------------------------------- stragglers
+
+    def _arm_batch_cut(self) -> None:
+        """``batch_cutoff``: once that fraction of the batch is final, cut what still runs
+        of it ``batch_grace_s`` later (once per batch)."""
+        cutoff = self.cfg.coordinator.batch_cutoff
+        if (cutoff is None or self._batch_cut is not None or not self._batch
+                or self._batch_final < math.ceil(cutoff * self._batch_size - 1e-9)):
+            return
+        self._batch_cut = self._spawn(self._cut_batch(set(self._batch)))
+
+    async def _cut_batch(self, batch: set[str]) -> None:
+        cfg = self.cfg.coordinator
+        await asyncio.sleep(cfg.batch_grace_s)
+        left = batch & self._batch
+        if not left:
+            return
+        why = (f"straggler cut: {self._batch_final}/{self._batch_size} of its batch were final "
+               f"(coordinator.batch_cutoff {cfg.batch_cutoff:g}) and batch_grace_s "
+               f"{cfg.batch_grace_s:g} passed; it runs again in the next batch")
+        # Queued ones (a retry waiting for a slot) simply move on to the next batch.
+        queued = {spec.episode_id for spec, _ in self._queue} & left
+        self._batch -= queued
+        by_runner: dict[str, list[str]] = {}
+        for episode_id in left - queued:
+            if episode_id in self._in_flight:
+                self._cut[episode_id] = why
+                by_runner.setdefault(self._in_flight[episode_id][1], []).append(episode_id)
+        log.info("cutting %d straggler(s) of the batch: %s", len(self._cut), why)
+        runners = {r.id: r for r in self._runners if r.alive}
+        await asyncio.gather(*(call(runners[rid].handle, "cancel", ids)
+                               for rid, ids in by_runner.items() if rid in runners),
+                             return_exceptions=True)
+        self._changed()
+
+    async def _record_cut(self, spec: EpisodeSpec, result: EpisodeResult, why: str) -> None:
+        """A cut straggler: its results line says ``cancelled`` and why (never a score, and
+        not final: resume runs it again), and it goes first into the next batch."""
+        self.counters["cut"] += 1
+        record = dataclasses.replace(result, status=Status.CANCELLED, reward=None,
+                                     error=why).record()
+        try:
+            await asyncio.wait_for(call(self.storage, "record_result", record),
+                                   _ACTOR_CALL_TIMEOUT_S)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            self._stop(f"storage: cannot record episode {spec.episode_id}: {one_line(exc)}")
+            return
+        self._batch.discard(spec.episode_id)
+        self._queue.appendleft((spec, list(avoid_of(result))))
 
     def _stop(self, why: str) -> None:
         """Dispatch nothing more; the driver ends the run with ``why`` (its first line: the

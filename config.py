@@ -632,6 +632,13 @@ class CoordinatorConfig(_Section):
     schedule: Literal["rollout", "batch"] = "rollout"
     """``rollout``: refill a slot the moment an episode ends; ``batch``: start the next batch
     only when the whole batch is done (strictly on-policy, and for comparison)."""
+    batch_cutoff: Annotated[float, Field(gt=0, le=1)] | None = None
+    """``schedule: batch`` straggler control: once this fraction of a batch is final (and
+    ``batch_grace_s`` more has passed), the batch's episodes still running are cut: recorded
+    as ``cancelled`` with the reason, never scored, and run again in the next batch (WebGym
+    uses 0.98). Null: every batch waits for its last episode."""
+    batch_grace_s: NonNegFloat = 0.0
+    """How long after ``batch_cutoff`` is reached the stragglers may still finish."""
     max_retries: Annotated[int, Field(ge=0)] = 2
     """Retries of an episode after an infrastructure failure (never after an agent failure)."""
     runner_num_cpus: NonNegFloat = 0.25
@@ -643,6 +650,13 @@ class CoordinatorConfig(_Section):
     """Cap of that delay."""
     outage_give_up_s: NonNegFloat = 0.0
     """Stop the run (resumable, exit 1) when an outage lasts this long; 0 waits forever."""
+
+    @model_validator(mode="after")
+    def _cutoff_is_for_batches(self) -> CoordinatorConfig:
+        if self.batch_cutoff is not None and self.schedule != "batch":
+            raise ValueError("coordinator.batch_cutoff cuts stragglers of synchronous batches: "
+                             "set coordinator.schedule: batch (a rollout schedule has none)")
+        return self
 
 
 class RunnerConfig(_Section):

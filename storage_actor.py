@@ -391,7 +391,8 @@ class StorageActor:
                 await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
                                         _dumps(record) + "\n", fsync=self.cfg.fsync)
             self.counters["results"] += 1
-            if self._index_queue is not None:
+            # A cancelled line (a cut straggler) is not final: the trainer sees its rerun.
+            if self._index_queue is not None and record.get("status") != "cancelled":
                 self._index_pending += 1
                 self._index_queue.put_nowait(record)
             return

@@ -648,8 +648,8 @@ class TaskLoader:
                         f"{size} rollouts, which tasks.rollouts_per_task={stride} cannot "
                         "place: resume it with the rollouts_per_task it was started with")
                 self._planned.setdefault(group, {})[pass_index] = size
-            if rerun and status == "infra_error":
-                continue
+            if (rerun and status == "infra_error") or status == "cancelled":
+                continue  # runs again (a cancelled line is a cut straggler, never final)
             self._finished.setdefault(group, set()).add(rollout)
             if status in SCORED_STATUSES and isinstance(reward, int | float):
                 self._record_reward(task_id, domain, reward)

@@ -214,7 +214,12 @@ def interpreter_names(env: Mapping[str, str], python: str = sys.executable) -> f
 
 
 class _WorkerFailed(Exception):
-    """A worker could not be started."""
+    """A worker could not be started; ``killed``: something killed it while it started (a
+    reset), which says nothing of the next start."""
+
+    def __init__(self, message: str, *, killed: bool = False) -> None:
+        super().__init__(message)
+        self.killed = killed
 
 
 @dataclass(eq=False)
@@ -411,9 +416,12 @@ class ActionExecutor:
         self._counts["starts"] += 1
         try:
             worker = await self._spawn()
-        except (_WorkerFailed, OSError, ValueError) as exc:
+        except Exception as exc:  # no pyautogui, no display, no interpreter, killed...
             self._counts["start_failures"] += 1
             self._last_error = str(exc)
+            if isinstance(exc, _WorkerFailed) and exc.killed:
+                log.warning("the action executor's worker was killed while starting: %s", exc)
+                return  # the next action tries again
             self._failed_until = time.monotonic() + self.retry_after_s
             log.warning("the action executor could not start (fresh processes run actions "
                         "for %g s): %s", self.retry_after_s, exc)
@@ -458,8 +466,11 @@ class ActionExecutor:
                 if isinstance(hello, dict) and hello.get("error"):
                     raise _WorkerFailed(f"the worker failed: {str(hello['error']).strip()}")
                 status = await self._status_after_end(proc, exited)
-                raise _WorkerFailed(f"the worker ended at its start ({_status_text(status)})")
-            return _Worker(proc, reader, writer, exited)  # type: ignore[arg-type]
+                raise _WorkerFailed(
+                    f"the worker ended at its start ({_status_text(status)})",
+                    killed=status in (-signal.SIGKILL, -signal.SIGTERM),
+                )
+            return _Worker(proc, reader, writer, exited)
         except BaseException:
             _kill_group(proc.pid)
             for transport in transports:

@@ -512,6 +512,8 @@ class TrainingIndex:
         run_dir = str(Path(run_dir).resolve())
         latest: dict[str, tuple[str, dict[str, Any]]] = {}  # episode_id -> (line, row)
         for raw in records:
+            if raw.get("status") == "cancelled":
+                continue  # not final: the episode runs again and its next line counts
             row = _episode_row(run, run_dir, raw)
             latest.pop(row["episode_id"], None)
             latest[row["episode_id"]] = (row["record"], row)
@@ -652,6 +654,8 @@ class TrainingIndex:
             pass
         by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
         for record in latest.values():
+            if record.get("status") == "cancelled":
+                continue  # a cut straggler or a stopped run's episode: not final, runs again
             by_group[fill_defaults(record)["group_id"]].append(record)
         sizes: dict[str, int] = {}
         if info.get("status") == "finished":

@@ -220,3 +220,35 @@ async def test_a_runner_stuck_past_every_deadline_is_declared_dead_and_replaced(
     assert record["attempt"] == 1 and record["runner"] == "runner-1"
     await asyncio.sleep(0.05)
     assert world.coordinator.desktop_pool.stats()["leased"] == 0  # runner-0's desktop is back
+
+
+# --------------------------------------------------------------------------- stragglers (issue 17)
+
+
+async def test_batch_stragglers_are_cut_recorded_cancelled_and_run_in_the_next_batch(
+        make_world, tmp):
+    """schedule: batch with batch_cutoff 0.75: episode t0 only ever waits (a straggler that
+    would take its 30 steps); once 3 of its batch of 4 are final and the grace passed, it is
+    cut (a cancelled line saying why, no score) and goes first into the next batch, where the
+    same happens; in the last batch (t0 and one other) the cutoff needs t0 itself, so it
+    ends as max_steps, its only scored line."""
+    world = await make_world("coordinator.schedule=batch", "coordinator.batch_cutoff=0.75",
+                             "coordinator.batch_grace_s=0.2", "runner.wait_s=0.05",
+                             "runner.max_steps=40", "desktops.count=4")
+    world.model.reply = lambda body: ("Action: wait()" if "straggle" in json.dumps(body)
+                                      else "Action: call_user()")
+    episodes = specs(8)
+    episodes[0] = EpisodeSpec("t0", "d", 0, {**TASK, "id": "t0", "instruction": "straggle"})
+    await world.coordinator.submit(episodes)
+    stats = await world.until(done(8), timeout_s=120)
+    assert stats["cut"] == 2
+    lines = await world.results()
+    t0 = [(r["status"], r["reward"], r["error"]) for r in lines if r["task_id"] == "t0"]
+    assert [s for s, _, _ in t0] == ["cancelled", "cancelled", "max_steps"], t0
+    assert all(reward is None and "straggler cut: 3/4" in error for _, reward, error in t0[:2])
+    assert t0[2][1] is not None  # scored once, by its complete run
+    # The cut lines are not final: a resumed loader runs nothing again but t0 is done.
+    finished = [r for r in lines if r["status"] != "cancelled"]
+    assert sorted(r["task_id"] for r in finished) == sorted(f"t{i}" for i in range(8))
+    assert (await world.coordinator.poll())["stats"]["episodes_by_status"].get(
+        "cancelled") is None  # never counted as a result

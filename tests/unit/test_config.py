@@ -131,7 +131,8 @@ desktops:
                heartbeat_timeout_s: 60}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff_initial_s: 2,
-              outage_backoff_max_s: 10, outage_give_up_s: 600}
+              outage_backoff_max_s: 10, outage_give_up_s: 600, batch_cutoff: 0.98,
+              batch_grace_s: 30}
 runner: {max_steps: 15, history_images: 3, history_texts: 10, action_pause_s: 0.5, wait_s: 2,
          max_parse_retries: 2, call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
          prompt_language: Chinese, prompt_note: "sudo password is in the note",
@@ -413,3 +414,11 @@ def test_the_run_makes_paths_absolute_and_adds_the_task_folders_to_the_task_root
     assert cfg.desktops.task_file_roots == [(tmp_path / "osworld" / "examples").resolve(),
                                             (tmp_path / "osworld").resolve()]
     assert cfg.desktops.download_cache_dir.is_absolute()
+
+
+def test_a_batch_cutoff_needs_the_batch_schedule():
+    with pytest.raises(ConfigError, match=r"batch_cutoff.*schedule: batch"):
+        load_config(None, ["coordinator.batch_cutoff=0.98"])
+    cfg = load_config(None, ["coordinator.schedule=batch", "coordinator.batch_cutoff=0.98",
+                             "coordinator.batch_grace_s=30"])
+    assert (cfg.coordinator.batch_cutoff, cfg.coordinator.batch_grace_s) == (0.98, 30)

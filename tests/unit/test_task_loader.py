@@ -738,3 +738,12 @@ def test_a_directory_source_reports_a_folder_that_cannot_be_a_domain(tmp_path: P
     domains = {s.domain for s in loader.poll()}
     assert domains == {"terminal"}
     assert {p.field for p in loader.problems} == {"domain"}
+
+
+def test_a_cancelled_line_is_never_final(tmp_path: Path) -> None:
+    """A cut straggler's (or a stopped run's) cancelled line: the episode runs again."""
+    _results(tmp_path, [json.dumps({"domain": "calculator", "task_id": "calc-add",
+                                    "rollout": r, "status": s, "reward": None})
+                        for r, s in ((0, "cancelled"), (1, "failure"))])
+    loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2)
+    assert [s.rollout for s in loader.poll()] == [0]
