@@ -133,11 +133,17 @@ class AgentCoordinator:
 
     # ----------------------------------------------------------------- public surface
 
-    async def start(self) -> None:
-        """Start the scheduling and statistics loops (idempotent)."""
+    async def start(self, prestart: bool = False) -> None:
+        """Start the scheduling and statistics loops (idempotent). ``prestart``: create the
+        runners K episodes need now, so their processes start while the desktops do (not
+        when the first episodes are dispatched)."""
         if self._wake is not None:
             return
         self._check_runners_fit()
+        if prestart:
+            per_runner = self.cfg.coordinator.episodes_per_runner
+            for _ in range(-(-self.cfg.coordinator.max_concurrent_episodes // per_runner)):
+                self._new_runner()
         self._wake = asyncio.Event()
         self._idle = asyncio.Event()
         self._idle.set()

@@ -324,8 +324,6 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     storage = ray.remote(StorageActor).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
     ).remote(str(run_dir), cfg.storage)
-    repaired = ray.get(storage.start_run.remote(
-        run_info, rerun_infra_errors=cfg.tasks.rerun_infra_errors), timeout=_CALL_TIMEOUT_S)
     # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
     # earlier run of the same name not yet collected) gets a suffix the tool also finds.
     name = pool_actor_name(cfg.run.name)
@@ -336,19 +334,31 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     except ValueError:  # ray.exceptions.ActorAlreadyExistsError
         pool = ray.remote(DesktopPool).options(
             name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
-    actors = Actors(storage, pool, None)
+    # Everything starts at once (start-up time): the storage opens the run directory, the
+    # pool starts its desktops, the coordinator its runners (their worker processes and
+    # imports), none waiting for another; nothing is submitted before all three are up.
+    coordinator = ray.remote(AgentCoordinator).options(
+        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
+    ).remote(cfg, pool, storage, model_state_dir)
+    actors = Actors(storage, pool, coordinator)
     started = time.monotonic()
+    run_started = storage.start_run.remote(run_info,
+                                           rerun_infra_errors=cfg.tasks.rerun_infra_errors)
+    desktops_started = pool.start.remote()
+    runners_started = coordinator.start.remote(prestart=True)
     try:
-        pool_stats = ray.get(pool.start.remote(), timeout=cfg.desktops.reset_timeout_s
+        repaired = ray.get(run_started, timeout=_CALL_TIMEOUT_S)
+    except Exception as exc:
+        stop_actors(actors, "failed", None)
+        raise FatalSetupError(f"the run's storage did not start: {_cause(exc)}") from exc
+    try:
+        pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
                              + cfg.desktops.local.start_timeout_s * 2)
     except Exception as exc:
         stop_actors(actors, "failed", None)
         raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
     log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
-    actors.coordinator = ray.remote(AgentCoordinator).options(
-        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-    ).remote(cfg, pool, storage, model_state_dir)
-    ray.get(actors.coordinator.start.remote(), timeout=_CALL_TIMEOUT_S)
+    ray.get(runners_started, timeout=_CALL_TIMEOUT_S)
     return actors, repaired
 
 

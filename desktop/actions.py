@@ -543,13 +543,11 @@ class ActionExecutor:
                 line = b""
             reply = _parse_reply(line)
             if reply is None:  # it died while running this action
-                if not worker.discarded:
-                    worker.discarded = True  # counted by _on_exit as a death all the same
+                if not worker.discarded:  # a death, counted here (then not by _on_exit)
+                    worker.discarded = True
                     self._counts["deaths"] += 1
                     self._deaths_in_row += 1
                 status = await self._status_after_end(worker.proc, worker.exited)
-                if self._worker is worker:
-                    self._worker = None
                 await self._discard(worker)
                 message = (
                     f"the action executor's worker (pid {worker.pid}) ended while running "

@@ -31,6 +31,7 @@ import httpx
 import psutil
 
 import desktop
+from desktop.actions import WORKER_FILE
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.errors import DisplayError
 from desktop.processes import DESKTOP_ID_VAR, allowed_env
@@ -217,6 +218,10 @@ class LocalDesktopSession:
         for pid in self.core_pids() - ({server.pid} if server else set()):
             with contextlib.suppress(psutil.Error):
                 protected |= {c.pid for c in psutil.Process(pid).children(recursive=True)}
+        if server is not None:  # the server's warm action interpreter is machinery too
+            with contextlib.suppress(psutil.Error):
+                protected |= {c.pid for c in psutil.Process(server.pid).children()
+                              if str(WORKER_FILE) in c.cmdline()}
         victims = []
         for proc in psutil.process_iter(["pid"]):
             if proc.pid in protected:

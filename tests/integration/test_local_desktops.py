@@ -3,6 +3,7 @@ driven through RemoteDesktopEnv: isolation, reset, replacement and stale-desktop
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import json
 import os
@@ -13,10 +14,12 @@ import textwrap
 import time
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
 from config import DesktopsConfig, StaticDesktopsConfig
+from desktop.protocol import Paths
 from env_k8s import (
     DesktopPool,
     LocalProvider,
@@ -107,7 +110,18 @@ async def test_actions_reach_the_desktop(pool):
     assert result.ok, result
     assert await env.cursor_position() == (123, 321)
     assert (await env.step("WAIT", pause_s=0.01)).returncode is None
+    # Plain actions run in the server's warm interpreter, which a reset keeps (it is the
+    # server's machinery, not an app the episode left).
+    actions = httpx.get(lease.url + Paths.ACTIONS, timeout=10).json()
+    assert actions["warm"] >= 1 and actions["worker_pid"], actions
+    resets = pool.stats()["resets"]
     await pool.release(lease.lease_id)
+    deadline = time.monotonic() + 60
+    while pool.stats()["resets"] == resets:  # the released desktop is reset in the background
+        assert time.monotonic() < deadline, pool.stats()
+        await asyncio.sleep(0.1)
+    after = httpx.get(lease.url + Paths.ACTIONS, timeout=10).json()
+    assert (after["worker_pid"], after["deaths"]) == (actions["worker_pid"], 0), after
 
 
 async def test_an_action_is_ended_by_the_server_before_the_client_gives_up(pool, tmp_path):
