@@ -458,14 +458,7 @@ class AgentCoordinator:
             return
         record = result.record()
         # The durable write first: bookkeeping that fails after it loses nothing.
-        try:
-            await asyncio.wait_for(call(self.storage, "record_result", record),
-                                   _ACTOR_CALL_TIMEOUT_S)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            # Not recorded: the episode is not in results.jsonl, so a rerun runs it again.
-            self._stop(f"storage: cannot record episode {spec.episode_id}: {one_line(exc)}")
+        if not await self._record(spec, record):
             return
         if spec.episode_id in self._batch:
             self._batch.discard(spec.episode_id)
@@ -519,6 +512,14 @@ class AgentCoordinator:
         self.counters["cut"] += 1
         record = dataclasses.replace(result, status=Status.CANCELLED, reward=None,
                                      error=why).record()
+        if not await self._record(spec, record):
+            return
+        self._batch.discard(spec.episode_id)
+        self._queue.appendleft((spec, list(avoid_of(result))))
+
+    async def _record(self, spec: EpisodeSpec, record: dict[str, Any]) -> bool:
+        """Append the episode's results.jsonl line; False (and the run stops) when the
+        storage cannot: the episode is then not in results.jsonl, so a rerun runs it again."""
         try:
             await asyncio.wait_for(call(self.storage, "record_result", record),
                                    _ACTOR_CALL_TIMEOUT_S)
@@ -526,9 +527,8 @@ class AgentCoordinator:
             raise
         except Exception as exc:
             self._stop(f"storage: cannot record episode {spec.episode_id}: {one_line(exc)}")
-            return
-        self._batch.discard(spec.episode_id)
-        self._queue.appendleft((spec, list(avoid_of(result))))
+            return False
+        return True
 
     def _stop(self, why: str) -> None:
         """Dispatch nothing more; the driver ends the run with ``why`` (its first line: the

@@ -52,6 +52,7 @@ if str(ROOT) not in sys.path:
 
 import httpx  # noqa: E402
 import psutil  # noqa: E402
+from rich.markup import escape  # noqa: E402
 
 from config import Config, load_config  # noqa: E402
 from env_k8s import DesktopPool  # noqa: E402
@@ -62,7 +63,7 @@ from ui_tars_utils import parse_response  # noqa: E402
 
 TERMINAL_KINDS = ("finished", "call_user")
 SAMPLE_INTERVAL_S = 1.0
-# A kept screenshot folder's name must stay short: it is printed in the failures' table.
+# Where --keep without a folder puts the failing replays (a new folder under /tmp).
 KEEP_PREFIX = "bench-fidelity-"
 
 
@@ -306,7 +307,7 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
     def done(record: dict[str, Any]) -> None:
         finished.append(record)
         style = {"pass": "green", "fail": "bold red", "infra": "yellow"}[record["outcome"]]
-        extra = "" if record["outcome"] == "pass" else f"  {record['detail']}"[:160]
+        extra = "" if record["outcome"] == "pass" else escape(f"  {record['detail']}"[:160])
         console.print(f"[{len(finished):>4}/{total}] {record['name']:34} "
                       f"[{style}]{record['outcome']:5}[/{style}] {record['replay_s']:6.1f}s"
                       f"{extra}", highlight=False)
@@ -328,7 +329,12 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
         episodes = [(f"{t['id']}#{r}", replay_once(cfg, pool, evaluator, d, t, kinds[t["id"]],
                                                    r, keep, done))
                     for r in range(args.repeat) for d, t in tasks]
-        outcomes = await run_concurrently(episodes, args.concurrency)
+        try:
+            outcomes = await run_concurrently(episodes, args.concurrency)
+        finally:  # interrupted: the replays that never started are closed, not leaked
+            for _, coro in episodes:
+                with contextlib.suppress(RuntimeError):
+                    coro.close()
         wall = time.monotonic() - wall0
         await _resets_done(pool, cfg.desktops.reset_timeout_s)  # their CPU is the replays'
         cpu.stop()
@@ -508,10 +514,10 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
         for col in ("replay", "detail", "kept"):
             table.add_column(col, overflow="fold")
         for item in items:
-            table.add_row(item["name"], item["detail"] or "", item.get("kept") or "-")
+            table.add_row(item["name"], escape(item["detail"] or ""), item.get("kept") or "-")
         console.print(table)
     if pool["quarantine_reasons"]:
-        console.print("desktops' last errors: " + "; ".join(pool["quarantine_reasons"]),
+        console.print(escape("desktops' last errors: " + "; ".join(pool["quarantine_reasons"])),
                       highlight=False)
 
 
@@ -543,6 +549,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if args.keep is True:
         args.keep = Path(tempfile.mkdtemp(prefix=KEEP_PREFIX, dir="/tmp"))
+    # Paths given relative to where the command runs, before the move to the repository.
+    args.keep = args.keep.resolve() if args.keep is not None else None
+    args.json = args.json.resolve() if args.json is not None else None
+    args.suite = str(Path(args.suite).resolve()) if Path(args.suite).exists() else args.suite
     console = Console(width=None if sys.stdout.isatty() else 160)
     os.chdir(ROOT)  # task files name their files relative to the repository, as OSWorld's do
     # Ctrl-C, SIGINT or SIGTERM end the run cleanly: desktops stopped, their folder removed.
