@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import os
 import subprocess
 import time
@@ -133,3 +134,96 @@ def assert_every_episode_succeeded(run_dir: Path, tasks: list[str], rollouts: in
     assert {r["status"] for r in results} == {"success"}, [
         (r["task_id"], r["status"], r["error"]) for r in results]
     return results
+
+
+class ProbeWindow:
+    """The running probe app (tests/apps/probe_window.py): its JSON-lines log of X events, and
+    its control channel on stdin (clear, sync, focus)."""
+
+    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path,
+                 stderr_path: Path | None = None, *, timeout_s: float = 10.0) -> None:
+        self.proc = proc
+        self.log_path = log_path
+        self.stderr_path = stderr_path
+        self.timeout_s = timeout_s
+        self.events: list[dict[str, Any]] = []
+        self._offset = 0
+        self._partial = b""
+        self._commands = 0
+
+    def _read(self) -> None:
+        with open(self.log_path, "rb") as log:
+            log.seek(self._offset)
+            data = log.read()
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        self.events.extend(json.loads(line) for line in lines if line.strip())
+
+    def wait_for(
+        self,
+        predicate: Callable[[dict[str, Any]], bool],
+        what: str,
+        *,
+        start: int = 0,
+        timeout_s: float | None = None,
+    ) -> int:
+        """Index of the first event from ``start`` on that satisfies ``predicate``."""
+        timeout_s = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout_s
+        scanned = start
+        while True:
+            self._read()
+            for i in range(scanned, len(self.events)):
+                if predicate(self.events[i]):
+                    return i
+            scanned = max(scanned, len(self.events))
+            if self.proc.poll() is not None:
+                stderr = (self.stderr_path.read_text(errors="replace")
+                          if self.stderr_path is not None else "(not kept)")
+                pytest.fail(f"probe window exited ({self.proc.returncode}) while waiting for "
+                            f"{what}; stderr:\n{stderr}")
+            if time.monotonic() >= deadline:
+                pytest.fail(f"no {what} within {timeout_s} s; last events: {self.events[-8:]}")
+            time.sleep(0.01)
+
+    def settle(self, start: int, releases: int) -> int:
+        """Sync with the window once ``releases`` button releases since ``start`` have arrived;
+        the index of the final "synced" answer.
+
+        A sync alone covers only what the X server has delivered: a window manager that grabs
+        clicks synchronously (openbox's stock click-to-focus) makes the server hold a click,
+        and the pointer events after it, until it replays them, which can be after the sync.
+        """
+        end = self.command("sync")
+        if releases:
+            self.wait_for_count(lambda e: e["event"] == "release", releases, "releases", start)
+            end = self.command("sync")
+        return end
+
+    def wait_for_count(
+        self, predicate: Callable[[dict[str, Any]], bool], count: int, what: str, start: int
+    ) -> int:
+        """Index of the ``count``-th event from ``start`` on that satisfies ``predicate``."""
+        index = start - 1
+        for _ in range(count):
+            index = self.wait_for(predicate, f"{count} {what}", start=index + 1)
+        return index
+
+    def command(self, name: str) -> int:
+        """Send a control command and return the index of the probe's answer to it."""
+        self._commands += 1
+        n = self._commands
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(f"{name} {n}\n".encode())
+        self.proc.stdin.flush()
+        answer = {"clear": "cleared", "sync": "synced", "focus": "focused"}[name]
+        return self.wait_for(lambda e: e["event"] == answer and e.get("n") == n, f"{answer} {n}")
+
+    def text_after(self, start: int, expected: str) -> None:
+        """Wait for the text widget to hold ``expected`` (an event from ``start`` on)."""
+        self.wait_for(lambda e: e["event"] == "text" and e["text"] == expected,
+                      f"text {expected!r}", start=start)
+
+    def errors(self) -> list[dict[str, Any]]:
+        self._read()
+        return [e for e in self.events if e["event"] == "error"]

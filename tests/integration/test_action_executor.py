@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import json
 import os
 import shutil
 import signal
@@ -36,7 +35,7 @@ from desktop.actions import PYTHON_NAMES, ActionExecutor, interpreter_names, pla
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.processes import child_env
 from desktop.protocol import CommandRequest, execute_command
-from tests.support import REPO_ROOT, TESTS_DIR, unavailable
+from tests.support import REPO_ROOT, TESTS_DIR, ProbeWindow, unavailable
 from ui_tars_utils import Action, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
@@ -221,52 +220,6 @@ def test_an_executor_that_cannot_start_leaves_actions_to_fresh_processes() -> No
 # --------------------------------------------------------------------------- the desktop
 
 
-class ProbeWindow:
-    """The running probe app: its JSON-lines log, and its control channel on stdin."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-        self.proc = proc
-        self.log_path = log_path
-        self.events: list[Event] = []
-        self._offset = 0
-        self._partial = b""
-        self._commands = 0
-
-    def _read(self) -> None:
-        with open(self.log_path, "rb") as log:
-            log.seek(self._offset)
-            data = log.read()
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        self.events.extend(json.loads(line) for line in lines if line.strip())
-
-    def wait_for(self, predicate: Callable[[Event], bool], what: str, start: int = 0) -> int:
-        deadline = time.monotonic() + WAIT_TIMEOUT_S
-        while True:
-            self._read()
-            for i in range(start, len(self.events)):
-                if predicate(self.events[i]):
-                    return i
-            if self.proc.poll() is not None:
-                pytest.fail(f"the probe window exited ({self.proc.returncode})")
-            if time.monotonic() >= deadline:
-                pytest.fail(f"no {what} within {WAIT_TIMEOUT_S} s; last: {self.events[-8:]}")
-            time.sleep(POLL_S)
-
-    def command(self, name: str) -> int:
-        self._commands += 1
-        n = self._commands
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{name} {n}\n".encode())
-        self.proc.stdin.flush()
-        answer = {"clear": "cleared", "sync": "synced", "focus": "focused"}[name]
-        return self.wait_for(lambda e: e["event"] == answer and e.get("n") == n, answer)
-
-    def text_after(self, start: int, expected: str) -> None:
-        self.wait_for(lambda e: e["event"] == "text" and e["text"] == expected,
-                      f"text {expected!r}", start)
-
-
 @dataclass
 class Desktop:
     display: XvfbDisplay
@@ -399,7 +352,7 @@ def desktop() -> Iterator[Desktop]:
                     stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=stderr, env=env,
                 )  # fmt: skip
             try:
-                probe = ProbeWindow(probe_proc, log_path)
+                probe = ProbeWindow(probe_proc, log_path, timeout_s=WAIT_TIMEOUT_S)
                 ready = probe.events[probe.wait_for(lambda e: e["event"] == "ready", "ready")]
                 with serve(env, root) as (server, url, client, server_log):
                     d = Desktop(display, env, probe, ready, server, url, client, server_log)
@@ -444,9 +397,9 @@ def test_a_click_moves_the_real_pointer_and_clicks(desktop: Desktop) -> None:
     assert desktop.act(_code(Action("click", point=target))) == OK
     x, y = target
     i = desktop.probe.wait_for(lambda e: e["event"] == "press" and (e["x"], e["y"]) == target
-                               and e["button"] == 1, "press at the target", start)
+                               and e["button"] == 1, "press at the target", start=start)
     desktop.probe.wait_for(lambda e: e["event"] == "release" and (e["x"], e["y"]) == target,
-                           "release at the target", i)
+                           "release at the target", start=i)
     assert desktop.pointer() == (x, y)
     after = desktop.stats()
     assert after["warm"] == before["warm"] + 1

@@ -9,12 +9,11 @@ window received and where the pointer is.
 from __future__ import annotations
 
 import contextlib
-import json
 import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,7 +22,7 @@ import pytest
 
 from desktop.display import XvfbDisplay, terminate_process
 from desktop.protocol import execute_command
-from tests.support import TESTS_DIR, unavailable
+from tests.support import TESTS_DIR, ProbeWindow, unavailable
 from ui_tars_utils import Action, parse_response, screen_to_model, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
@@ -35,7 +34,6 @@ EVENT_TIMEOUT_S = 10.0
 EXECUTE_TIMEOUT_S = 15.0
 # A pyautogui action returns in well under a second here; this bounds the wait for one that hangs.
 PROMPT_EXECUTE_TIMEOUT_S = 5.0
-POLL_INTERVAL_S = 0.01
 STOP_TIMEOUT_S = 5.0
 SCROLL_CLICKS = 5  # to_pyautogui's default
 # Far from :0 and :1, which stray clients of other sessions on a shared machine default to
@@ -53,90 +51,6 @@ Point = tuple[int, int]
 
 
 # --------------------------------------------------------------------------- the probe window
-
-
-class ProbeWindow:
-    """The running probe app: its JSON-lines log, and its control channel on stdin."""
-
-    def __init__(self, proc: subprocess.Popen[bytes], log_path: Path, stderr_path: Path) -> None:
-        self.proc = proc
-        self.log_path = log_path
-        self.stderr_path = stderr_path
-        self.events: list[Event] = []
-        self._offset = 0
-        self._partial = b""
-        self._commands = 0
-
-    def _read(self) -> None:
-        with open(self.log_path, "rb") as log:
-            log.seek(self._offset)
-            data = log.read()
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        self.events.extend(json.loads(line) for line in lines if line.strip())
-
-    def wait_for(
-        self,
-        predicate: Callable[[Event], bool],
-        what: str,
-        *,
-        start: int = 0,
-        timeout_s: float = EVENT_TIMEOUT_S,
-    ) -> int:
-        """Index of the first event from ``start`` on that satisfies ``predicate``."""
-        deadline = time.monotonic() + timeout_s
-        scanned = start
-        while True:
-            self._read()
-            for i in range(scanned, len(self.events)):
-                if predicate(self.events[i]):
-                    return i
-            scanned = max(scanned, len(self.events))
-            if self.proc.poll() is not None:
-                pytest.fail(
-                    f"probe window exited ({self.proc.returncode}) while waiting for "
-                    f"{what}; stderr:\n{self.stderr_path.read_text(errors='replace')}"
-                )
-            if time.monotonic() >= deadline:
-                pytest.fail(f"no {what} within {timeout_s} s; last events: {self.events[-8:]}")
-            time.sleep(POLL_INTERVAL_S)
-
-    def settle(self, start: int, releases: int) -> int:
-        """Sync with the window once ``releases`` button releases since ``start`` have arrived;
-        the index of the final "synced" answer.
-
-        A sync alone covers only what the X server has delivered: a window manager that grabs
-        clicks synchronously (openbox's stock click-to-focus) makes the server hold a click,
-        and the pointer events after it, until it replays them, which can be after the sync.
-        """
-        end = self.command("sync")
-        if releases:
-            self.wait_for_count(lambda e: e["event"] == "release", releases, "releases", start)
-            end = self.command("sync")
-        return end
-
-    def wait_for_count(
-        self, predicate: Callable[[Event], bool], count: int, what: str, start: int
-    ) -> int:
-        """Index of the ``count``-th event from ``start`` on that satisfies ``predicate``."""
-        index = start - 1
-        for _ in range(count):
-            index = self.wait_for(predicate, f"{count} {what}", start=index + 1)
-        return index
-
-    def command(self, name: str) -> int:
-        """Send a control command and return the index of the probe's answer to it."""
-        self._commands += 1
-        n = self._commands
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(f"{name} {n}\n".encode())
-        self.proc.stdin.flush()
-        answer = {"clear": "cleared", "sync": "synced", "focus": "focused"}[name]
-        return self.wait_for(lambda e: e["event"] == answer and e.get("n") == n, f"{answer} {n}")
-
-    def errors(self) -> list[Event]:
-        self._read()
-        return [e for e in self.events if e["event"] == "error"]
 
 
 @dataclass
@@ -191,7 +105,7 @@ def desktop(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Desktop]:
                 stderr=stderr,
                 env=display.env(),
             )
-        probe = ProbeWindow(proc, log_path, stderr_path)
+        probe = ProbeWindow(proc, log_path, stderr_path, timeout_s=EVENT_TIMEOUT_S)
         try:
             i = probe.wait_for(
                 lambda e: e["event"] == "ready", "ready event", timeout_s=READY_TIMEOUT_S
