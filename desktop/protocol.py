@@ -243,6 +243,13 @@ class ActionsReply(ReplyModel):
     """Ends of the warm interpreter the server did not ask for (a crash, a kill)."""
     start_failures: int
     last_error: str | None = None
+    click_focus: bool = False
+    """Whether the click-to-focus watcher runs (``desktop/click_focus.py``)."""
+    click_focus_presses: int = 0
+    click_focus_activations: int = 0
+    """Windows it activated because a press landed on them while another was active."""
+    click_focus_error: str | None = None
+    """Why it does not run, when asked to."""
 
 
 class ScreenSizeReply(ReplyModel):

@@ -54,7 +54,8 @@ Plain pyautogui actions (the code OSWorld's client posts for the agent's clicks,
 typing, ``desktop.actions.plain_action``) run in one warm interpreter instead of a new process
 each, with the same output, exit status and time limit; ``--no-warm-actions`` (or
 ``$CUA_DESKTOP_WARM_ACTIONS=0``) runs every command in a fresh process. ``GET /actions`` (not
-in OSWorld) counts how commands ran.
+in OSWorld) counts how commands ran. A press on a window other than the active one activates
+it (``desktop.click_focus``; ``--no-click-focus`` turns that off).
 
 Not in OSWorld, for resets: ``GET /apps`` lists the live processes the server started (apps of
 ``/setup/launch`` and ``/setup/open_file``, commands still running and whatever commands left
@@ -191,6 +192,13 @@ def _parser() -> argparse.ArgumentParser:
         help="run plain pyautogui actions of /execute in one warm interpreter instead of a new "
         f"process each (default: ${WARM_ACTIONS_VAR}, else on)",
     )
+    p.add_argument(
+        "--click-focus",
+        action=argparse.BooleanOptionalAction,
+        default=d.click_focus,
+        help="activate the window a button press lands on when another is active (the "
+        "click-to-focus the desktops' openbox configuration leaves out; default: on)",
+    )
     p.add_argument("--a11y-python", default=d.a11y_python, help="interpreter with pyatspi")
     p.add_argument("--record-fps", type=int, default=d.record_fps, help="recording frame rate")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -253,6 +261,7 @@ def main(argv: list[str] | None = None) -> None:
                 "a11y_python",
                 "record_fps",
                 "warm_actions",
+                "click_focus",
             )
         },
     )

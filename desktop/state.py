@@ -18,6 +18,7 @@ import httpx
 
 from desktop.accessibility import Accessibility
 from desktop.actions import ActionExecutor
+from desktop.click_focus import ClickFocus
 from desktop.display import write_placeholder_xauthority
 from desktop.processes import AppTracker, child_env
 from desktop.recording import Recorder
@@ -63,6 +64,11 @@ class ServerSettings:
     warm_actions: bool = True
     """Run plain pyautogui actions of ``/execute`` in one warm interpreter instead of a new
     process each (``desktop.actions``); off: every command in a fresh process, as OSWorld."""
+    click_focus: bool = True
+    """Activate the window a button press lands on when it is not the active one
+    (``desktop.click_focus``): the click-to-focus the desktops' openbox leaves out, since its
+    grab on client windows lost clicks under load. Harmless under a window manager that does
+    it itself."""
 
 
 @dataclass
@@ -82,6 +88,8 @@ class ServerState:
     """The environment of every child."""
     actions: ActionExecutor
     """The warm interpreter of plain ``/execute`` actions (not an app: resets keep it)."""
+    click_focus: ClickFocus | None = None
+    """The click-to-focus watcher, when ``settings.click_focus``."""
 
 
 @contextlib.asynccontextmanager
@@ -119,9 +127,14 @@ async def open_state(settings: ServerSettings) -> AsyncIterator[ServerState]:
         actions=ActionExecutor(env, enabled=settings.warm_actions),
     )
     state.actions.prestart()
+    if settings.click_focus:
+        state.click_focus = ClickFocus(display)
+        await asyncio.to_thread(state.click_focus.start)
     try:
         yield state
     finally:
+        if state.click_focus is not None:
+            await asyncio.to_thread(state.click_focus.stop)
         await state.actions.close()
         await state.recorder.kill()
         await state.apps.kill_all(settings.kill_grace_s)

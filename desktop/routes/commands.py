@@ -69,7 +69,14 @@ async def execute(request: Request, state: State) -> JSONResponse:
 @router.get(Paths.ACTIONS)
 async def actions(state: State) -> JSONResponse:
     """How ``/execute`` ran its commands: warm, fresh, restarts (not in OSWorld)."""
-    return json_reply(ActionsReply(**state.actions.stats()))
+    focus = state.click_focus.stats() if state.click_focus is not None else {}
+    return json_reply(ActionsReply(
+        **state.actions.stats(),
+        click_focus=bool(focus.get("running")),
+        click_focus_presses=focus.get("presses", 0),
+        click_focus_activations=focus.get("activations", 0),
+        click_focus_error=focus.get("error"),
+    ))
 
 
 @router.post(Paths.RUN_PYTHON)
