@@ -9,24 +9,50 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import struct
 import threading
+import zlib
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 import mss
-import mss.tools
+from isal import isal_zlib
+from PIL import Image
 from Xlib import X
 from Xlib import display as xdisplay
 from Xlib import error as xerror
 
-__all__ = ["DEFAULT_PNG_LEVEL", "Screen"]
+__all__ = ["DEFAULT_PNG_LEVEL", "Screen", "encode_png"]
 
 T = TypeVar("T")
 
-# zlib level of the PNG: on a 1920x1080 screen of text, level 1 takes about a third of the
-# time of level 6 for a file 20% larger.
+# ISA-L's deflate level (0-3) of the PNG's image data. Level 1 compresses a 1920x1080 screen
+# about as well as zlib's level 1 at a tenth of its time (benchmarks/bench_screenshot.py).
 DEFAULT_PNG_LEVEL = 1
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def _chunk(kind: bytes, data: bytes) -> bytes:
+    return (struct.pack(">I", len(data)) + kind + data
+            + struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)) & 0xFFFFFFFF))
+
+
+def encode_png(bgra: bytes | memoryview, width: int, height: int,
+               level: int = DEFAULT_PNG_LEVEL) -> bytes:
+    """A lossless 8-bit RGB PNG of a screen grabbed as BGRA (X's 32-bit layout, as mss grabs
+    it). Pillow swaps the channels in C; every scanline gets filter type 0 (none: on screens
+    of flat colours and text the adaptive filters buy little and cost most of the time); the
+    image data is deflated by ISA-L (``isal``), a zlib stream as PNG requires."""
+    rgb = Image.frombuffer("RGB", (width, height), bgra, "raw", "BGRX", 0, 1).tobytes()
+    stride = width * 3
+    lines = bytearray(height * (stride + 1))  # zero: the filter byte of every line
+    for y in range(height):
+        start = y * (stride + 1) + 1
+        lines[start:start + stride] = rgb[y * stride:(y + 1) * stride]
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return (_PNG_SIGNATURE + _chunk(b"IHDR", header)
+            + _chunk(b"IDAT", isal_zlib.compress(lines, level)) + _chunk(b"IEND", b""))
 # mss >= 10.2 names its class MSS (and deprecates the older ``mss.mss`` factory).
 _MSS: Any = getattr(mss, "MSS", None) or mss.mss
 
@@ -110,9 +136,7 @@ class Screen:
     def _screenshot_png(self) -> bytes:
         grabber = self._mss()
         shot = grabber.grab(grabber.monitors[0])
-        png = mss.tools.to_png(shot.rgb, shot.size, level=self.png_level)
-        assert png is not None
-        return png
+        return encode_png(shot.raw, shot.width, shot.height, self.png_level)
 
     def _size(self) -> tuple[int, int]:
         screen = self._xlib().screen()
