@@ -2,7 +2,8 @@
 runners, storage and model client against the simulated world, for three schedules.
 
     python benchmarks/bench_rollout.py [--quick] [--out FILE.json] [--levels 8 64 ...]
-        [--schedules rollout batch ...]
+        [--schedules rollout batch ...] [--peer | --no-peer] [--peer-levels 16 64]
+        [--peer-window-s 183]
 
 A local Ray cluster is started by this script (``num_cpus`` = the machine's cores, no
 dashboard; ``coordinator.runner_num_cpus`` is 0, or 2 CPUs would admit only 8 runners) and
@@ -104,11 +105,42 @@ Per row (all computed from what the run wrote, the sim's configuration and psuti
 
 Plus ``routing``: benchmarks/bench_routing.py's rows (three policies, four sim endpoints, one
 twice as slow).
+
+Plus ``peer`` (issue 17; in the full run, alone with ``--peer``, not with ``--quick``): the
+peer's settings as the original system was measured, one row per K in ``--peer-levels``
+(16 64). The sim world is started first, in its own processes: K + warm spares desktops
+(1920x1080 PNGs; action 1.0 s, screenshot 0.2 s, reset 0.5 s) and four model servers (1.6 s
+per generation, never ``finished()``: every episode runs ``runner.max_steps`` 15 steps, each
+with an action). Then the REAL command, ``python run.py --config <generated YAML>`` from the
+repository root (its own local Ray cluster, no dashboard; ``runner.action_pause_s`` 2.0,
+``runner.history_images`` 5, ``runner.history_texts`` 35, ``tasks.rollouts_per_task`` 2,
+``coordinator.max_concurrent_episodes`` K, one runner per core, enough tasks to keep K
+episodes busy past the window). Counted for ``--peer-window-s`` (183) from the moment the
+command is started, start-up included; then run.py gets two SIGINT (its process group is
+killed only if it does not exit) and the world is stopped.
+  actions              actions completed in the window, from the sim desktops' own counter
+                       (an action is counted when its /execute arrives; read at window -
+                       1.0 s, as every action takes exactly 1.0 s). ``actions_started``: the
+                       counter at the window's end; ``traj_actions``: the same count from the
+                       run's traj.jsonl lines (action_timestamp + 1.0 s), a cross-check.
+  actions_per_min      actions / window * 60; ``ideal_actions_per_min`` 60 x K / 4.8 (model
+                       1.6 + action 1.0 + pause 2.0 + screenshot 0.2); ``ratio`` of the two.
+  startup_s            command start to the first action (sampled every 0.2 s), with
+                       ``ray_ready_s`` and ``actors_ready_s`` (from run.py's "desktops ready
+                       in X s" log line) and ``first_model_request_s`` on the way.
+  startup_share        startup_s / window: what the window loses before the first action.
+                       ``step_efficiency``: 4.8 s / the steps' mean wall time (traj
+                       timing.step_s; ``step_s_p50/p99``). The rest of the loss is the
+                       episodes' turnover (an episode's first screenshot, lease, evaluation).
+                       The K episodes start, and so step, in lockstep: the count moves in
+                       bursts of K actions (1/38 of the ideal at 183 s); ``actions_per_10s``
+                       is the timeline.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import math
@@ -204,14 +236,23 @@ class RolloutSetup:
 
     def per_runner(self, concurrency: int) -> int:
         """Episodes per runner (rollout and batch): as many runners as cores, unless set."""
-        if self.episodes_per_runner is not None:
-            return self.episodes_per_runner
-        return math.ceil(concurrency / (os.cpu_count() or 1))
+        return _per_runner(concurrency, self.episodes_per_runner)
 
     def spares_for(self, concurrency: int) -> int:
-        """Warm spares: a reset (0.5 s) is absorbed when spares cover the episodes that end
-        within one reset, with margin for bursts."""
-        return max(2, math.ceil(concurrency / 16))
+        return _spares_for(concurrency)
+
+
+def _per_runner(concurrency: int, fixed: int | None) -> int:
+    """Episodes per runner: ``fixed``, or as many runners as cores."""
+    if fixed is not None:
+        return fixed
+    return math.ceil(concurrency / (os.cpu_count() or 1))
+
+
+def _spares_for(concurrency: int) -> int:
+    """Warm spares: a reset (0.5 s) is absorbed when spares cover the episodes that end
+    within one reset, with margin for bursts."""
+    return max(2, math.ceil(concurrency / 16))
 
 
 QUICK = RolloutSetup(levels=(8, 64), warmup_s=3.0, window_s=6.0, model_base_s=0.2,
@@ -421,9 +462,22 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
     s = row.setup
     schedule = "batch" if row.schedule == "batch" else "rollout"
     per_runner = 1 if row.schedule == "actor-per-episode" else s.per_runner(row.concurrency)
-    sets = [
-        f"run.name={row.run_dir.name}",
-        f"run.output_dir={row.run_dir.parent}",
+    return load_config(None, _sim_sets(
+        row.run_dir, tasks, desktop_urls, reset_command, model_urls, model_name,
+        concurrency=row.concurrency, spares=row.spares, per_runner=per_runner,
+        schedule=schedule, max_steps=s.lengths.max_steps, history_images=s.history_images,
+        action_pause_s=0.0))
+
+
+def _sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command: list[str],
+              model_urls: list[str], model_name: str, *, concurrency: int, spares: int,
+              per_runner: int, schedule: str, max_steps: int, history_images: int,
+              action_pause_s: float) -> list[str]:
+    """The ``key=value`` settings of a run on the sim world (static desktops, the sim's model
+    servers), as ``--set`` takes them."""
+    return [
+        f"run.name={run_dir.name}",
+        f"run.output_dir={run_dir.parent}",
         f"tasks.source={tasks}",
         f"model.name={model_name}",
         f"model.endpoints={json.dumps(model_urls)}",
@@ -431,20 +485,19 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
         f"desktops.static.urls={json.dumps(desktop_urls)}",
         f"desktops.static.reset_command={json.dumps(reset_command)}",
         "desktops.verify.enabled=false",  # simulated desktops run no real commands
-        f"desktops.count={row.concurrency}",
-        f"desktops.warm_spares={row.spares}",
-        f"coordinator.max_concurrent_episodes={row.concurrency}",
+        f"desktops.count={concurrency}",
+        f"desktops.warm_spares={spares}",
+        f"coordinator.max_concurrent_episodes={concurrency}",
         f"coordinator.episodes_per_runner={per_runner}",
         f"coordinator.schedule={schedule}",
         # Runners wait on I/O; with the default 0.25 CPU each a 2-CPU node would admit only 8
         # runners (actor-per-episode needs one per episode).
         "coordinator.runner_num_cpus=0",
-        "runner.action_pause_s=0",
-        f"runner.max_steps={s.lengths.max_steps}",
-        f"runner.history_images={s.history_images}",
+        f"runner.action_pause_s={action_pause_s}",
+        f"runner.max_steps={max_steps}",
+        f"runner.history_images={history_images}",
         "monitoring.progress_bar=false",
     ]
-    return load_config(None, sets)
 
 
 def _model_sim(setup: RolloutSetup, factor: float) -> ModelSim:
@@ -892,6 +945,371 @@ def run_rollout_benchmark(
     return rows
 
 
+# --------------------------------------------------------------------------- peer settings
+
+
+_NEVER_FINISHES = EpisodeLengths(median_steps=1000, tail_fraction=0.0, min_steps=1000,
+                                 max_steps=1000)
+"""The sim model never answers ``finished()`` within ``runner.max_steps``: every episode
+runs its ``max_steps`` steps, each with an action."""
+
+
+@dataclasses.dataclass(frozen=True)
+class PeerSetup:
+    """The peer's settings (issue 17), as the original system was measured: ``run.py`` on
+    the sim world, actions counted for ``window_s`` from the command's start."""
+
+    levels: tuple[int, ...] = (16, 64)
+    window_s: float = 183.0          # from the command's start: start-up included
+    model_s: float = 1.6             # one generation (no per-token part, no jitter)
+    action_s: float = 1.0            # /execute of an action
+    pause_s: float = 2.0             # runner.action_pause_s
+    screenshot_s: float = 0.2        # /screenshot
+    screen_width: int = 1920
+    screen_height: int = 1080
+    max_steps: int = 15
+    rollouts_per_task: int = 2
+    history_images: int = 5
+    history_texts: int = 35
+    model_servers: int = 4
+    reset: Latency = _RESET
+    episodes_per_runner: int | None = None  # None: one runner per core, as the rows
+    stop_timeout_s: float = 120.0    # run.py's exit after the two Ctrl-C
+    seed: int = 0
+
+    def step_s(self) -> float:
+        """One step's simulated time: 1.6 + 1.0 + 2.0 + 0.2 = 4.8 s."""
+        return self.model_s + self.action_s + self.pause_s + self.screenshot_s
+
+    def ideal_per_min(self, concurrency: int) -> float:
+        return 60.0 * concurrency / self.step_s()
+
+    def tasks_for(self, concurrency: int) -> int:
+        """Tasks that keep ``concurrency`` episodes busy past the window (x1.5, plus one
+        episode per slot), each task being ``rollouts_per_task`` episodes."""
+        episode_s = self.max_steps * self.step_s()
+        episodes = concurrency + math.ceil(1.5 * concurrency * self.window_s / episode_s)
+        return math.ceil(episodes / self.rollouts_per_task)
+
+
+PEER = PeerSetup()
+
+
+def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: SimWorld
+                 ) -> Path:
+    """Write (and validate) the run's YAML config: the rows' sim-world settings with the
+    peer's runner, tasks and Ray settings; returns its path."""
+    import yaml
+
+    from config import load_config
+
+    sets = _sim_sets(
+        run_dir, tasks, world.desktop_urls, world.reset_command, world.model_urls,
+        world.model.model, concurrency=k, spares=_spares_for(k),
+        per_runner=_per_runner(k, setup.episodes_per_runner), schedule="rollout",
+        max_steps=setup.max_steps, history_images=setup.history_images,
+        action_pause_s=setup.pause_s)
+    sets += [
+        f"runner.history_texts={setup.history_texts}",
+        f"tasks.rollouts_per_task={setup.rollouts_per_task}",
+        f"desktops.screen_width={setup.screen_width}",
+        f"desktops.screen_height={setup.screen_height}",
+        f"ray.num_cpus={os.cpu_count() or 1}",
+        "ray.include_dashboard=false",  # as every benchmark's cluster (and no port clash)
+    ]
+    cfg = load_config(None, sets)  # a bad setting fails here, not in the subprocess
+    path = run_dir.parent / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True),
+                                   sort_keys=False), encoding="utf-8")
+    if load_config(path) != cfg:
+        raise RuntimeError(f"{path} does not read back as the config it was written from")
+    return path
+
+
+def _get_json(url: str) -> dict[str, Any]:
+    import urllib.request
+
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return json.loads(r.read())
+
+
+def _peer_counts(world: SimWorld) -> tuple[int, int, int]:
+    """Actions the sim desktops received so far (counted when the ``/execute`` arrives;
+    resets are counted apart), chat requests the sim models received, and those in flight."""
+    bases = dict.fromkeys(url.rsplit("/d/", 1)[0] for url in world.desktop_urls)
+    actions = sum(_get_json(f"{b}/_sim/stats")["totals"]["action"] for b in bases)
+    models = [_get_json(f"{u}/_sim/stats") for u in world.model_urls]
+    return (actions, sum(m["requests"] for m in models), sum(m["in_flight"] for m in models))
+
+
+@dataclasses.dataclass
+class _PeerWatch:
+    """What the driver saw of one peer row while run.py ran (times from the command's start)."""
+
+    samples: list[tuple[float, int, int, int]] = dataclasses.field(default_factory=list)
+    at: dict[str, tuple[float, int]] = dataclasses.field(default_factory=dict)
+    first_request_s: float | None = None
+    first_action_s: float | None = None
+    exited: int | None = None        # run.py's exit code if it ended inside the window
+
+
+def _peer_watch(world: SimWorld, proc: Any, t0: float, setup: PeerSetup) -> _PeerWatch:
+    """Sample the sim's counters every 0.2 s until the first action, then every second, and
+    exactly at ``window - action_s`` and ``window`` (the actions completed and started)."""
+    w = _PeerWatch()
+    marks = {"completed": setup.window_s - setup.action_s, "started": setup.window_s}
+    tick = 0.0
+    while True:
+        now = time.monotonic() - t0
+        pending = {name: t for name, t in marks.items() if name not in w.at}
+        if not pending:
+            return w
+        due = [name for name, t in pending.items() if now >= t]
+        if proc.poll() is not None:
+            w.exited = proc.returncode
+            return w
+        if due or now >= tick:
+            before = time.monotonic() - t0
+            actions, requests, in_flight = _peer_counts(world)
+            t = (before + time.monotonic() - t0) / 2
+            w.samples.append((round(t, 3), actions, requests, in_flight))
+            for name in due:
+                w.at[name] = (round(t, 3), actions)
+            if w.first_request_s is None and requests:
+                w.first_request_s = t
+            if w.first_action_s is None and actions:
+                w.first_action_s = t
+            tick = now + (1.0 if w.first_action_s is not None else 0.2)
+            continue
+        nxt = min(tick, *pending.values())
+        time.sleep(max(0.0, min(0.2, nxt - (time.monotonic() - t0))))
+
+
+def _stop_driver(proc: Any, timeout_s: float) -> tuple[int | None, list[str]]:
+    """run.py's Ctrl-C twice (stop starting, cancel the running episodes), by its pid; its
+    process group is killed only if it does not exit within ``timeout_s``."""
+    import signal
+    import subprocess
+
+    notes: list[str] = []
+    for _ in range(2):
+        if proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(proc.pid, signal.SIGINT)
+            time.sleep(0.5)
+    try:
+        return proc.wait(timeout=timeout_s), notes
+    except subprocess.TimeoutExpired:
+        notes.append(f"run.py did not exit {timeout_s:.0f} s after two SIGINT: its process "
+                     "group was killed")
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)  # start_new_session: the group is its own
+        proc.wait()
+        return None, notes
+
+
+def _marked_cpu_s(marker: str) -> float:
+    """CPU seconds so far of the live processes of the run (run.py and its Ray cluster)."""
+    import psutil
+
+    from benchmarks.chaos import marked
+
+    total = 0.0
+    for p in marked(marker):
+        with contextlib.suppress(psutil.Error):
+            t = p.cpu_times()
+            total += t.user + t.system
+    return total
+
+
+def _traj_actions(run_dir: Path, t_end: float, action_s: float) -> tuple[int, list[float]]:
+    """Cross-check from the run's files: the actions whose trajectory line says they were
+    sent (``action_timestamp``, right after the model's reply) ``action_s`` before
+    ``t_end`` or earlier, and the wall time of each step (timing.step_s) of the window."""
+    done = 0
+    step_s: list[float] = []
+    for path in run_dir.glob(f"{DOMAIN}/*/*/{TRAJ_FILE}"):
+        for st in _read_jsonl(path):
+            if st.get("action") in TERMINAL_ACTIONS or "action_timestamp" not in st:
+                continue
+            sent = _timestamp_s(st["action_timestamp"])
+            if sent + action_s <= t_end:
+                done += 1
+                if st.get("timing"):
+                    step_s.append(st["timing"]["step_s"])
+    return done, sorted(step_s)
+
+
+def run_peer_row(setup: PeerSetup, k: int, *, log: Any = print, keep: bool = False
+                 ) -> dict[str, Any]:
+    """One peer row: the sim world in its own processes, then ``python run.py --config``
+    (its own Ray cluster) started and counted for ``window_s``, then stopped."""
+    import subprocess
+    import uuid
+
+    import psutil
+
+    from benchmarks.chaos import MARKER_ENV, end_marked
+
+    work = Path(tempfile.mkdtemp(prefix="bench-peer-"))
+    run_dir = work / "results" / f"peer-{k}"
+    run_dir.mkdir(parents=True)
+    tasks = work / f"peer-{k}.jsonl"
+    n_tasks = setup.tasks_for(k)
+    _write_tasks(tasks, list(range(n_tasks)))
+    desktop = DesktopSim(action_latency=Latency(setup.action_s),
+                         screenshot_latency=Latency(setup.screenshot_s),
+                         reset_latency=setup.reset, screen_width=setup.screen_width,
+                         screen_height=setup.screen_height, seed=setup.seed)
+    model = ModelSim(base_latency_s=setup.model_s, per_token_s=0.0,
+                     prefill_s_per_1k_tokens=0.0, capacity=10**6, lengths=_NEVER_FINISHES,
+                     screen_width=setup.screen_width, screen_height=setup.screen_height,
+                     seed=setup.seed)
+    marker = f"bench-peer-{k}-{uuid.uuid4().hex[:12]}"
+    notes: list[str] = []
+    row: dict[str, Any] = {"concurrency": k}
+    proc = None
+    try:
+        with SimWorld(desktops=k + _spares_for(k), model_servers=setup.model_servers,
+                      desktop=desktop, model=model) as world:
+            config = _peer_config(setup, k, run_dir, tasks, world)
+            env = {**os.environ, MARKER_ENV: marker, "RAY_TMPDIR": str(work / "r")}
+            driver_log = work / f"peer-{k}.log"
+            sim_cpu0 = sum(world.cpu_s().values())
+            load0 = os.getloadavg()[0]
+            psutil.cpu_percent(None)
+            log(f"peer x {k}: run.py --config {config} ({n_tasks} tasks x "
+                f"{setup.rollouts_per_task}), counting for {setup.window_s:.0f} s")
+            with driver_log.open("wb") as out:
+                t0_wall = time.time()
+                t0 = time.monotonic()
+                proc = subprocess.Popen(
+                    [sys.executable, str(ROOT / "run.py"), "--config", str(config)],
+                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                    start_new_session=True, env=env)
+            try:
+                watch = _peer_watch(world, proc, t0, setup)
+                run_cpu_s = _marked_cpu_s(marker)
+                busy = psutil.cpu_percent(None)
+                sim_cpu_s = sum(world.cpu_s().values()) - sim_cpu0
+            finally:
+                stopping = time.monotonic()
+                code, stop_notes = _stop_driver(proc, setup.stop_timeout_s)
+                notes += stop_notes
+                stop_s = time.monotonic() - stopping
+                left = end_marked(marker, grace_s=30.0)
+                if left:
+                    notes.append(f"processes of the run outlived run.py (killed): {left}")
+        if watch.exited is not None:
+            notes.append(f"run.py exited ({watch.exited}) inside the window")
+        row.update(_peer_figures(setup, k, watch, run_dir, t0_wall))
+        row.update(_peer_startup(driver_log, t0_wall))
+        row.update({
+            "run_exit_code": code, "stop_s": round(stop_s, 1),
+            "run_cpu_cores": round(run_cpu_s / setup.window_s, 2),
+            "sim_cpu_cores": round(sim_cpu_s / setup.window_s, 2),
+            "machine_cpu_busy_pct": busy, "load_avg_at_start": round(load0, 2),
+            "tasks": n_tasks, "warm_spares": _spares_for(k),
+            "episodes_per_runner": _per_runner(k, setup.episodes_per_runner),
+            "notes": notes,
+        })
+        if watch.exited is not None or code not in (130, 0):
+            text = driver_log.read_text(errors="replace").splitlines()
+            row["log_tail"] = text[-30:]
+        return row
+    finally:
+        if proc is not None and proc.poll() is None:  # the driver was interrupted early
+            _stop_driver(proc, 10.0)
+            end_marked(marker, grace_s=10.0)
+        if keep:
+            log(f"peer x {k}: run directory, config and run.py's log kept in {work}")
+        else:
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _peer_figures(setup: PeerSetup, k: int, w: _PeerWatch, run_dir: Path,
+                  t0_wall: float) -> dict[str, Any]:
+    window = setup.window_s
+    ideal = setup.ideal_per_min(k)
+    completed = w.at.get("completed", (None, None))[1]
+    started = w.at.get("started", (None, None))[1]
+    per_min = 60.0 * completed / window if completed is not None else None
+    bins: list[int] = []
+    last = 0
+    for edge in range(10, int(window) + 10, 10):
+        upto = [a for t, a, _, _ in w.samples if t <= edge]
+        now = upto[-1] if upto else 0
+        bins.append(now - last)
+        last = now
+    traj_done, step_s = _traj_actions(run_dir, t0_wall + window, setup.action_s)
+    results = _read_jsonl(run_dir / RESULTS_FILE) if (run_dir / RESULTS_FILE).exists() else []
+    statuses: dict[str, int] = {}
+    for r in results:
+        statuses[r["status"]] = statuses.get(r["status"], 0) + 1
+    return {
+        "actions": completed,
+        "actions_per_min": round(per_min, 1) if per_min is not None else None,
+        "ideal_actions_per_min": round(ideal, 1),
+        "ratio": round(per_min / ideal, 3) if per_min is not None else None,
+        "startup_s": round(w.first_action_s, 2) if w.first_action_s is not None else None,
+        "first_model_request_s": round(w.first_request_s, 2)
+        if w.first_request_s is not None else None,
+        "window_s": window,
+        "actions_started": started,
+        "startup_share": round(w.first_action_s / window, 3)
+        if w.first_action_s is not None else None,
+        "step_efficiency": round(setup.step_s() / statistics.fmean(step_s), 4)
+        if step_s else None,
+        "actions_per_10s": bins,
+        "traj_actions": traj_done,
+        "step_s_p50": round(step_s[len(step_s) // 2], 3) if step_s else None,
+        "step_s_p99": round(_percentile(step_s, 0.99), 3) if step_s else None,
+        "sim_step_s": round(setup.step_s(), 3),
+        "episodes_recorded": len(results),
+        "statuses": statuses,
+        "settings": {"model_s": setup.model_s, "action_s": setup.action_s,
+                     "action_pause_s": setup.pause_s, "screenshot_s": setup.screenshot_s,
+                     "screen": f"{setup.screen_width}x{setup.screen_height}",
+                     "max_steps": setup.max_steps,
+                     "rollouts_per_task": setup.rollouts_per_task,
+                     "history_images": setup.history_images,
+                     "history_texts": setup.history_texts,
+                     "model_servers": setup.model_servers},
+    }
+
+
+def _peer_startup(driver_log: Path, t0_wall: float) -> dict[str, Any]:
+    """Where the start-up went, from run.py's log line ``N desktops ready in X s`` (logged
+    when its actors are up, X after they were created, i.e. after Ray had started)."""
+    import re
+
+    pattern = re.compile(r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) INFO run: \d+ "
+                         r"desktops ready in ([\d.]+)s")
+    for line in driver_log.read_text(errors="replace").splitlines():
+        m = pattern.match(line)
+        if m:
+            ready = datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp() - t0_wall
+            return {"actors_ready_s": round(ready, 1),
+                    "ray_ready_s": round(ready - float(m[2]), 1)}
+    return {"actors_ready_s": None, "ray_ready_s": None}
+
+
+def run_peer_benchmark(setup: PeerSetup, *, log: Any = print, keep: bool = False
+                       ) -> list[dict[str, Any]]:
+    rows = []
+    for k in setup.levels:
+        t0 = time.monotonic()
+        row = run_peer_row(setup, k, log=log, keep=keep)
+        rows.append(row)
+        log(f"peer x {k}: {row['actions']} actions in {setup.window_s:.0f} s = "
+            f"{row['actions_per_min']}/min (ideal {row['ideal_actions_per_min']}, ratio "
+            f"{row['ratio']}); start-up: Ray up at {row['ray_ready_s']} s, actors at "
+            f"{row['actors_ready_s']} s, first model request at "
+            f"{row['first_model_request_s']} s, first action at {row['startup_s']} s; "
+            f"{time.monotonic() - t0:.0f}s")
+    return rows
+
+
 # --------------------------------------------------------------------------- output
 
 
@@ -901,11 +1319,48 @@ def _fmt(value: Any, spec: str = "") -> str:
     return format(value, spec) if spec else str(value)
 
 
-def print_table(rows: list[dict[str, Any]], routing: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], routing: list[dict[str, Any]],
+                peer: list[dict[str, Any]] | None = None) -> None:
     from rich.console import Console
     from rich.table import Table
 
     console = Console(width=None if sys.stdout.isatty() else 160)
+    if rows:
+        _print_rows(console, rows)
+    if routing:
+        rt = Table(title="routing: 4 sim endpoints, the last one 2x slower")
+        for col in ("policy", "req/s", "p50 ms", "p99 ms", "share per endpoint", "max/min",
+                    "sticky"):
+            rt.add_column(col, justify="left" if col in ("policy", "share per endpoint")
+                          else "right")
+        for r in routing:
+            rt.add_row(r["policy"], str(r["requests_per_s"]), str(r["p50_ms"]),
+                       str(r["p99_ms"]), " ".join(f"{x:.2f}" for x in r["share_per_endpoint"]),
+                       str(r["imbalance"]), str(r["sticky_rate"]))
+        console.print(rt)
+    if peer:
+        window = peer[0]["window_s"]
+        pt = Table(title=f"peer settings: run.py on the sim world, actions in {window:.0f} s "
+                   "from the command's start (ideal = 60 x K / 4.8 per min)")
+        for col in ("K", f"actions in {window:.0f} s", "actions/min", "ideal/min", "ratio",
+                    "start-up s", "start-up share", "step eff", "step p50 s", "exit"):
+            pt.add_column(col, justify="right")
+        for r in peer:
+            pt.add_row(str(r["concurrency"]), _fmt(r["actions"]),
+                       _fmt(r["actions_per_min"], ".1f"), _fmt(r["ideal_actions_per_min"], ".1f"),
+                       _fmt(r["ratio"], ".3f"), _fmt(r["startup_s"], ".1f"),
+                       _fmt(r["startup_share"], ".3f"), _fmt(r["step_efficiency"], ".3f"),
+                       _fmt(r["step_s_p50"], ".3f"),
+                       _fmt(r["run_exit_code"]))
+        console.print(pt)
+        for r in peer:
+            for note in r["notes"]:
+                console.print(f"  peer x {r['concurrency']}: {note}")
+
+
+def _print_rows(console: Any, rows: list[dict[str, Any]]) -> None:
+    from rich.table import Table
+
     table = Table(title="rollout: real coordinator, runners, storage and model client on the "
                   "sim world")
     for col in ("schedule", "K", "steps/s", "ideal", "ratio", "desk util", "ovh p50 ms",
@@ -927,17 +1382,6 @@ def print_table(rows: list[dict[str, Any]], routing: list[dict[str, Any]]) -> No
     for r in rows:
         if r.get("status") == "skipped":
             console.print(f"  {r['schedule']} x {r['concurrency']} skipped: {r['reason']}")
-    if routing:
-        rt = Table(title="routing: 4 sim endpoints, the last one 2x slower")
-        for col in ("policy", "req/s", "p50 ms", "p99 ms", "share per endpoint", "max/min",
-                    "sticky"):
-            rt.add_column(col, justify="left" if col in ("policy", "share per endpoint")
-                          else "right")
-        for r in routing:
-            rt.add_row(r["policy"], str(r["requests_per_s"]), str(r["p50_ms"]),
-                       str(r["p99_ms"]), " ".join(f"{x:.2f}" for x in r["share_per_endpoint"]),
-                       str(r["imbalance"]), str(r["sticky_rate"]))
-        console.print(rt)
 
 
 def save_plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -980,7 +1424,8 @@ def save_plot(rows: list[dict[str, Any]], path: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true",
-                        help=f"levels {QUICK.levels}, faster sim, {QUICK.window_s:.0f} s windows")
+                        help=f"levels {QUICK.levels}, faster sim, {QUICK.window_s:.0f} s windows "
+                        "(and no peer rows unless --peer)")
     parser.add_argument("--out", type=Path, default=Path("bench_rollout.json"),
                         help="JSON results; the PNG plot is written beside it")
     parser.add_argument("--levels", type=int, nargs="+", help="concurrency levels")
@@ -988,8 +1433,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--window-s", type=float, help="measured seconds per row")
     parser.add_argument("--warmup-s", type=float, help="least warm-up seconds per row")
     parser.add_argument("--episodes-per-runner", type=int,
-                        help="rollout and batch (default: concurrency / cores)")
+                        help="rollout, batch and peer (default: concurrency / cores)")
     parser.add_argument("--no-routing", action="store_true", help="skip the routing part")
+    peer = parser.add_mutually_exclusive_group()
+    peer.add_argument("--peer", action="store_true",
+                      help="only the peer-settings rows (run.py on the sim world, issue 17)")
+    peer.add_argument("--no-peer", action="store_true",
+                      help="skip the peer-settings rows of the full run")
+    parser.add_argument("--peer-levels", type=int, nargs="+",
+                        help=f"peer rows' concurrency (default {' '.join(map(str, PEER.levels))})")
+    parser.add_argument("--peer-window-s", type=float, default=PEER.window_s,
+                        help="seconds counted from run.py's start (default %(default)s)")
     parser.add_argument("--keep", action="store_true",
                         help="keep each row's results directory (to inspect) in a temp dir")
     args = parser.parse_args(argv)
@@ -998,20 +1452,30 @@ def main(argv: list[str] | None = None) -> int:
         setup, levels=tuple(args.levels or setup.levels),
         window_s=args.window_s or setup.window_s, warmup_s=args.warmup_s or setup.warmup_s,
         episodes_per_runner=args.episodes_per_runner or setup.episodes_per_runner)
+    peer_setup = dataclasses.replace(
+        PEER, levels=tuple(args.peer_levels or PEER.levels), window_s=args.peer_window_s,
+        episodes_per_runner=args.episodes_per_runner or PEER.episodes_per_runner)
     t0 = time.monotonic()
-    rows = run_rollout_benchmark(setup, schedules=tuple(args.schedules), keep=args.keep)
+    rows: list[dict[str, Any]] = []
     routing: list[dict[str, Any]] = []
-    if not args.no_routing:
-        from benchmarks.bench_routing import run_routing_benchmark
+    if not args.peer:
+        rows = run_rollout_benchmark(setup, schedules=tuple(args.schedules), keep=args.keep)
+        if not args.no_routing:
+            from benchmarks.bench_routing import run_routing_benchmark
 
-        routing = run_routing_benchmark(quick=args.quick)
-    out = {"results": rows, "routing": routing}
+            routing = run_routing_benchmark(quick=args.quick)
+    out: dict[str, Any] = {"results": rows, "routing": routing}
+    if args.peer or not (args.quick or args.no_peer):
+        out["peer"] = run_peer_benchmark(peer_setup, keep=args.keep)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
-    plot = args.out.with_suffix(".png")
-    save_plot(rows, plot)
-    print_table(rows, routing)
-    print(f"{args.out} and {plot} written in {time.monotonic() - t0:.0f} s")
+    written = [str(args.out)]
+    if rows:
+        plot = args.out.with_suffix(".png")
+        save_plot(rows, plot)
+        written.append(str(plot))
+    print_table(rows, routing, out.get("peer"))
+    print(f"{' and '.join(written)} written in {time.monotonic() - t0:.0f} s")
     return 0
 
 
