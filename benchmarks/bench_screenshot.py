@@ -119,6 +119,7 @@ def over_http(env: dict[str, str], workdir: Path, n: int) -> dict[str, Any]:
             "wall_median_ms": round(statistics.median(walls) * 1000, 1),
             "wall_p90_ms": round(walls[int(0.9 * (len(walls) - 1))] * 1000, 1),
             "png_kb": round(statistics.median(sizes) / 1000),
+            "server_rss_mib": round(server.memory_info().rss / 2**20),
         }
     finally:
         client.close()
@@ -180,7 +181,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"  encode, mss.tools.to_png zlib 1    {row['ms']:7.1f} ms {row['kb']:6} KB (before)")
     h = report["http"]
     print(f"  GET /screenshot: server CPU {h['server_cpu_ms']} ms per screenshot, wall p50 "
-          f"{h['wall_median_ms']} ms, p90 {h['wall_p90_ms']} ms, {h['png_kb']} KB")
+          f"{h['wall_median_ms']} ms, p90 {h['wall_p90_ms']} ms, {h['png_kb']} KB; server RSS "
+          f"{h['server_rss_mib']} MiB")
     if args.json:
         args.json.write_text(json.dumps(report, indent=2))
     return 0
