@@ -146,6 +146,7 @@ import json
 import math
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -974,6 +975,7 @@ class PeerSetup:
     model_servers: int = 4
     reset: Latency = _RESET
     episodes_per_runner: int | None = None  # None: one runner per core, as the rows
+    running_ray: bool = False        # run.py joins a local cluster started before the clock
     stop_timeout_s: float = 120.0    # run.py's exit after the two Ctrl-C
     seed: int = 0
 
@@ -995,8 +997,8 @@ class PeerSetup:
 PEER = PeerSetup()
 
 
-def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: SimWorld
-                 ) -> Path:
+def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: SimWorld,
+                 ray_address: str | None = None) -> Path:
     """Write (and validate) the run's YAML config: the rows' sim-world settings with the
     peer's runner, tasks and Ray settings; returns its path."""
     import yaml
@@ -1014,9 +1016,12 @@ def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: Si
         f"tasks.rollouts_per_task={setup.rollouts_per_task}",
         f"desktops.screen_width={setup.screen_width}",
         f"desktops.screen_height={setup.screen_height}",
-        f"ray.num_cpus={os.cpu_count() or 1}",
-        "ray.include_dashboard=false",  # as every benchmark's cluster (and no port clash)
     ]
+    if ray_address:
+        sets.append(f"ray.address={ray_address}")
+    else:
+        sets += [f"ray.num_cpus={os.cpu_count() or 1}",
+                 "ray.include_dashboard=false"]  # as every benchmark's cluster (no port clash)
     cfg = load_config(None, sets)  # a bad setting fails here, not in the subprocess
     path = run_dir.parent / f"{run_dir.name}.yaml"
     path.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True),
@@ -1024,6 +1029,26 @@ def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: Si
     if load_config(path) != cfg:
         raise RuntimeError(f"{path} does not read back as the config it was written from")
     return path
+
+
+def _start_marked_cluster(env: dict[str, str], work: Path) -> str:
+    """``ray start --head`` (no dashboard) in the row's environment, so that its processes
+    carry the row's marker and end with the row; its address. The service mode: a cluster
+    kept running, that each ``run.py`` joins (``ray.address``)."""
+    import subprocess
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "ray.scripts.scripts", "start", "--head", "--port", str(port),
+         f"--num-cpus={os.cpu_count() or 1}",
+         "--include-dashboard=false", "--disable-usage-stats", "--temp-dir",
+         str(work / "r")],
+        env=env, capture_output=True, text=True, timeout=180)
+    if out.returncode != 0:
+        raise RuntimeError(f"ray start failed ({out.returncode}): {out.stderr[-2000:]}")
+    return f"127.0.0.1:{port}"
 
 
 def _get_json(url: str) -> dict[str, Any]:
@@ -1167,13 +1192,17 @@ def run_peer_row(setup: PeerSetup, k: int, *, log: Any = print, keep: bool = Fal
                      seed=setup.seed)
     marker = f"bench-peer-{k}-{uuid.uuid4().hex[:12]}"
     notes: list[str] = []
-    row: dict[str, Any] = {"concurrency": k}
+    row: dict[str, Any] = {"concurrency": k, "ray": "running" if setup.running_ray else "own"}
     proc = None
     try:
         with SimWorld(desktops=k + _spares_for(k), model_servers=setup.model_servers,
                       desktop=desktop, model=model) as world:
-            config = _peer_config(setup, k, run_dir, tasks, world)
             env = {**os.environ, MARKER_ENV: marker, "RAY_TMPDIR": str(work / "r")}
+            if setup.running_ray:  # one token for the cluster and run.py, whatever ~/.ray holds
+                env.pop("RAY_AUTH_TOKEN_PATH", None)
+                env.update({"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": uuid.uuid4().hex})
+            address = _start_marked_cluster(env, work) if setup.running_ray else None
+            config = _peer_config(setup, k, run_dir, tasks, world, address)
             driver_log = work / f"peer-{k}.log"
             sim_cpu0 = sum(world.cpu_s().values())
             load0 = os.getloadavg()[0]
@@ -1198,7 +1227,7 @@ def run_peer_row(setup: PeerSetup, k: int, *, log: Any = print, keep: bool = Fal
                 notes += stop_notes
                 stop_s = time.monotonic() - stopping
                 left = end_marked(marker, grace_s=30.0)
-                if left:
+                if left and not setup.running_ray:  # else: the cluster, ended here
                     notes.append(f"processes of the run outlived run.py (killed): {left}")
         if watch.exited is not None:
             notes.append(f"run.py exited ({watch.exited}) inside the window")
@@ -1342,11 +1371,11 @@ def print_table(rows: list[dict[str, Any]], routing: list[dict[str, Any]],
         window = peer[0]["window_s"]
         pt = Table(title=f"peer settings: run.py on the sim world, actions in {window:.0f} s "
                    "from the command's start (ideal = 60 x K / 4.8 per min)")
-        for col in ("K", f"actions in {window:.0f} s", "actions/min", "ideal/min", "ratio",
+        for col in ("ray", "K", f"actions in {window:.0f} s", "actions/min", "ideal/min", "ratio",
                     "start-up s", "start-up share", "step eff", "step p50 s", "exit"):
             pt.add_column(col, justify="right")
         for r in peer:
-            pt.add_row(str(r["concurrency"]), _fmt(r["actions"]),
+            pt.add_row(r.get("ray", "own"), str(r["concurrency"]), _fmt(r["actions"]),
                        _fmt(r["actions_per_min"], ".1f"), _fmt(r["ideal_actions_per_min"], ".1f"),
                        _fmt(r["ratio"], ".3f"), _fmt(r["startup_s"], ".1f"),
                        _fmt(r["startup_share"], ".3f"), _fmt(r["step_efficiency"], ".3f"),
@@ -1444,6 +1473,9 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"peer rows' concurrency (default {' '.join(map(str, PEER.levels))})")
     parser.add_argument("--peer-window-s", type=float, default=PEER.window_s,
                         help="seconds counted from run.py's start (default %(default)s)")
+    parser.add_argument("--peer-running-ray", action="store_true",
+                        help="peer rows: run.py joins a local Ray cluster started before the "
+                        "clock (a service's cluster kept running) instead of starting its own")
     parser.add_argument("--keep", action="store_true",
                         help="keep each row's results directory (to inspect) in a temp dir")
     args = parser.parse_args(argv)
@@ -1454,6 +1486,7 @@ def main(argv: list[str] | None = None) -> int:
         episodes_per_runner=args.episodes_per_runner or setup.episodes_per_runner)
     peer_setup = dataclasses.replace(
         PEER, levels=tuple(args.peer_levels or PEER.levels), window_s=args.peer_window_s,
+        running_ray=args.peer_running_ray,
         episodes_per_runner=args.episodes_per_runner or PEER.episodes_per_runner)
     t0 = time.monotonic()
     rows: list[dict[str, Any]] = []
