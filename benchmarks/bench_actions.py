@@ -77,7 +77,10 @@ def _cpu_s(server: psutil.Process) -> float:
 
 
 @contextlib.contextmanager
-def _server(env: dict[str, str], workdir: Path, warm: bool) -> Iterator[tuple[Any, httpx.Client]]:
+def desktop_server(env: dict[str, str], workdir: Path, warm: bool
+                   ) -> Iterator[tuple[Any, httpx.Client]]:
+    """``python -m desktop.server`` on the display of ``env``, on a free loopback port, once
+    it answers (and its warm worker runs, with ``warm``); stopped by pid on exit."""
     port = _free_port()
     argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port),
             "--warm-actions" if warm else "--no-warm-actions"]
@@ -135,7 +138,7 @@ def run(n: int) -> dict[str, Any]:
         with XvfbDisplay(SCREEN_W, SCREEN_H, min_display=100, tmp_dir=workdir) as display:
             env = display.env({**os.environ, "HOME": str(home)})
             for warm in (True, False):
-                with _server(env, workdir, warm) as (proc, client):
+                with desktop_server(env, workdir, warm) as (proc, client):
                     server = psutil.Process(proc.pid)
                     for kind, code in KINDS.items():
                         row = {"kind": kind, "mode": "warm" if warm else "fresh",

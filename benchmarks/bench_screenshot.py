@@ -18,11 +18,9 @@ server, then prints:
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -36,11 +34,11 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-import httpx  # noqa: E402
 import mss  # noqa: E402
 import mss.tools  # noqa: E402
 import psutil  # noqa: E402
 
+from benchmarks.bench_actions import desktop_server  # noqa: E402
 from desktop.display import XvfbDisplay, terminate_process  # noqa: E402
 from desktop.entry import OPENBOX_RC  # noqa: E402
 from desktop.screen import encode_png  # noqa: E402
@@ -50,12 +48,6 @@ START_TIMEOUT_S = 60.0
 WARMUP = 3
 TEXT = "\n".join(f"{i:3}  The quick brown fox jumps over the lazy dog; 0123456789 = {i * 37}"
                  for i in range(200))
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _ms(fn: Callable[[], Any], n: int) -> tuple[float, Any]:
@@ -83,23 +75,7 @@ def in_process(display: str, n: int) -> dict[str, Any]:
 
 
 def over_http(env: dict[str, str], workdir: Path, n: int) -> dict[str, Any]:
-    port = _free_port()
-    with open(workdir / "server.log", "wb") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port)],
-            cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
-    client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=60.0)
-    try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while True:
-            if proc.poll() is not None:
-                raise RuntimeError((workdir / "server.log").read_text())
-            with contextlib.suppress(httpx.TransportError):
-                if client.get("/platform").status_code == 200:
-                    break
-            if time.monotonic() > deadline:
-                raise RuntimeError("the desktop server did not answer")
-            time.sleep(0.1)
+    with desktop_server(env, workdir, warm=True) as (proc, client):
         server = psutil.Process(proc.pid)
         for _ in range(WARMUP):
             client.get("/screenshot").raise_for_status()
@@ -121,9 +97,6 @@ def over_http(env: dict[str, str], workdir: Path, n: int) -> dict[str, Any]:
             "png_kb": round(statistics.median(sizes) / 1000),
             "server_rss_mib": round(server.memory_info().rss / 2**20),
         }
-    finally:
-        client.close()
-        terminate_process(proc, 10)
 
 
 def run(n: int) -> dict[str, Any]:

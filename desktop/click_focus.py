@@ -110,11 +110,12 @@ class ClickFocus:
         self._close()
 
     def stats(self) -> dict[str, Any]:
+        """The ``click_focus*`` fields of ``GET /actions`` (``protocol.ActionsReply``)."""
         return {
-            "running": self._thread is not None and self._thread.is_alive(),
-            "presses": self.presses,
-            "activations": self.activations,
-            "error": self.error,
+            "click_focus": self._thread is not None and self._thread.is_alive(),
+            "click_focus_presses": self.presses,
+            "click_focus_activations": self.activations,
+            "click_focus_error": self.error,
         }
 
     # ------------------------------------------------------------------ the thread

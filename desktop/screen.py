@@ -53,6 +53,8 @@ def encode_png(bgra: bytes | memoryview, width: int, height: int,
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
     return (_PNG_SIGNATURE + _chunk(b"IHDR", header)
             + _chunk(b"IDAT", isal_zlib.compress(lines, level)) + _chunk(b"IEND", b""))
+
+
 # mss >= 10.2 names its class MSS (and deprecates the older ``mss.mss`` factory).
 _MSS: Any = getattr(mss, "MSS", None) or mss.mss
 

@@ -70,13 +70,7 @@ async def execute(request: Request, state: State) -> JSONResponse:
 async def actions(state: State) -> JSONResponse:
     """How ``/execute`` ran its commands: warm, fresh, restarts (not in OSWorld)."""
     focus = state.click_focus.stats() if state.click_focus is not None else {}
-    return json_reply(ActionsReply(
-        **state.actions.stats(),
-        click_focus=bool(focus.get("running")),
-        click_focus_presses=focus.get("presses", 0),
-        click_focus_activations=focus.get("activations", 0),
-        click_focus_error=focus.get("error"),
-    ))
+    return json_reply(ActionsReply(**state.actions.stats(), **focus))
 
 
 @router.post(Paths.RUN_PYTHON)
