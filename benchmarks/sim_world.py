@@ -69,6 +69,7 @@ from rollout.openai_protocol import (  # noqa: E402
     error_body,
     models_body,
 )
+from rollout.server_metrics import vllm_metrics_text  # noqa: E402
 from ui_tars_utils import smart_resize  # noqa: E402
 
 RESET_COMMAND = ["sim-reset"]
@@ -688,6 +689,7 @@ class DesktopsApp(_App):
 _CHAT_PATH = CHAT_COMPLETIONS_PATH.encode()
 _MODELS_PATH = MODELS_PATH.encode()
 _HEALTH_PATH = HEALTH_PATH.encode()
+_METRICS_PATH = b"/metrics"
 
 
 class ModelApp(_App):
@@ -704,6 +706,9 @@ class ModelApp(_App):
             models_body(cfg.model, owned_by="sim", max_model_len=65536, root=cfg.model)
         ).encode()
         self.in_flight = 0  # state, not a stat: requests answered after a reset still leave
+        # vLLM's /metrics counters: never reset (Prometheus counters only go up).
+        self.served = {"prompt": 0, "generation": 0, "finished": 0, "inference_s": 0.0,
+                       "started": 0}
         self.reset_stats()
 
     def reset_stats(self) -> None:
@@ -740,7 +745,23 @@ class ModelApp(_App):
             return _Reply(200, b"", b"text/plain")
         if path == _MODELS_PATH:
             return _Reply(200, self._models)
+        if path == _METRICS_PATH:
+            return self._metrics()
         return self._control(method, path)
+
+    def _metrics(self) -> _Reply:
+        """vLLM's figures of this server: past ``capacity`` requests wait (a real server's
+        batch is full), the slowdown of the sim aside; no queue time (the sim does not
+        queue), inference time as each request's simulated latency."""
+        served, capacity = self.served, self.cfg.capacity
+        text = vllm_metrics_text(
+            model_name=self.cfg.model, running=min(self.in_flight, capacity),
+            waiting=max(0, self.in_flight - capacity),
+            prompt_tokens_total=served["prompt"], generation_tokens_total=served["generation"],
+            requests_finished_total=served["finished"],
+            queue_time_s=(0.0, served["started"]),
+            inference_time_s=(served["inference_s"], served["started"]))
+        return _Reply(200, text.encode(), b"text/plain; version=0.0.4")
 
     def _chat(self, body: bytes | bytearray) -> _Reply:
         cfg = self.cfg
@@ -773,6 +794,11 @@ class ModelApp(_App):
         )
         delay = service * max(1.0, self.in_flight / cfg.capacity)
         self.service_s += delay
+        served = self.served
+        served["prompt"] += prompt
+        served["generation"] += completion
+        served["started"] += 1
+        served["inference_s"] += delay
         reply = completion_json(
             text, model=cfg.model, completion_id=f"chatcmpl-sim-{self.index}-{self.requests}",
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
@@ -784,6 +810,7 @@ class ModelApp(_App):
 
     def _done(self) -> None:
         self.in_flight -= 1
+        self.served["finished"] += 1
 
     def _cached(self, session: str, prompt: int, images: int, text_tokens: int) -> int:
         """Prompt tokens found in this server's prefix cache for this session's request."""

@@ -11,13 +11,14 @@ import argparse
 import asyncio
 import json
 import random
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from rollout.errors import ConfigError
 from rollout.openai_protocol import (
@@ -29,6 +30,7 @@ from rollout.openai_protocol import (
     models_body,
     parse_chat_request,
 )
+from rollout.server_metrics import vllm_metrics_text
 from ui_tars_utils import screen_to_model
 
 __all__ = ["MODEL_NAME", "ScriptedPolicy", "create_app", "load_solutions", "main"]
@@ -117,8 +119,19 @@ def _instruction(messages: list[dict[str, Any]]) -> str | None:
 
 def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
                model_name: str = MODEL_NAME) -> FastAPI:
-    """``/v1/models``, ``/v1/chat/completions`` and ``/health`` as a vLLM server answers them."""
+    """``/v1/models``, ``/v1/chat/completions``, ``/health`` and ``/metrics`` (vLLM's
+    names: requests running, tokens, time per request) as a vLLM server answers them."""
     app = FastAPI(title="scripted UI-TARS policy")
+    served = {"running": 0, "generation": 0, "finished": 0, "inference_s": 0.0}
+
+    @app.get("/metrics")
+    async def metrics() -> PlainTextResponse:
+        return PlainTextResponse(vllm_metrics_text(
+            model_name=model_name, running=served["running"],
+            generation_tokens_total=served["generation"],
+            requests_finished_total=served["finished"],
+            queue_time_s=(0.0, served["finished"]),
+            inference_time_s=(served["inference_s"], served["finished"])))
 
     @app.get(HEALTH_PATH)
     async def health() -> dict[str, str]:
@@ -138,9 +151,17 @@ def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
             chat = parse_chat_request(body)
         except ValueError as exc:
             return _error(400, str(exc))
-        if latency_s:
-            await asyncio.sleep(latency_s)
-        text = policy.reply(chat.messages)
+        started = time.monotonic()
+        served["running"] += 1
+        try:
+            if latency_s:
+                await asyncio.sleep(latency_s)
+            text = policy.reply(chat.messages)
+        finally:
+            served["running"] -= 1
+        served["finished"] += 1
+        served["generation"] += len(text.split())
+        served["inference_s"] += time.monotonic() - started
         return completion_body(text, model=model_name, prompt_tokens=0,
                                completion_tokens=len(text.split()))
 

@@ -5,28 +5,26 @@ from ``/metrics``, and the in-place weight swap of the dev endpoints (``/pause``
 from __future__ import annotations
 
 import logging
-import re
 
 import httpx
 
 from rollout.openai_protocol import HEALTH_PATH
+from rollout.server_metrics import parse_vllm_metrics
 
 __all__ = ["ReplicaAPI", "parse_vllm_load"]
 
 log = logging.getLogger(__name__)
 
-_METRIC = re.compile(
-    r"^vllm:num_requests_(running|waiting)(?:\{[^}]*\})?\s+([-+0-9.eE]+|NaN)\s*$", re.M
-)
-
 
 def parse_vllm_load(metrics_text: str) -> tuple[int, int]:
-    """(running, waiting) requests from vLLM's Prometheus ``/metrics`` text."""
-    totals = {"running": 0.0, "waiting": 0.0}
-    for kind, value in _METRIC.findall(metrics_text):
-        if value != "NaN":
-            totals[kind] += float(value)
-    return int(totals["running"]), int(totals["waiting"])
+    """(running, waiting) requests from vLLM's Prometheus ``/metrics`` text, summed over
+    its engines; (0, 0) for text that is not Prometheus exposition text."""
+    try:
+        sample = parse_vllm_metrics(metrics_text)
+    except ValueError as exc:
+        log.debug("unreadable /metrics reply: %s", exc)
+        return 0, 0
+    return sample.running, sample.waiting
 
 
 class ReplicaAPI:

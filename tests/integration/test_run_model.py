@@ -46,6 +46,7 @@ from rollout.fleet.processes import (
 from rollout.fleet.replica_api import parse_vllm_load
 from rollout.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
 from rollout.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
+from rollout.server_metrics import ServerMetricsScraper
 from tests.support import REPO_ROOT, unavailable
 
 ROOT = REPO_ROOT
@@ -541,6 +542,59 @@ async def test_image_to_the_text_only_model_is_a_request_error(pool: Pool):
     finally:
         await client.close()
     assert info.value.status == 400 and "multimodal" in info.value.server_message
+
+
+@pytest.mark.integration
+async def test_server_metrics_scraper_reads_the_replicas_real_counters(pool: Pool):
+    """rollout/server_metrics.py on vLLM's own /metrics (no key needed: vLLM guards /v1
+    only): rates from its real counters between two scrapes, its KV-cache gauge."""
+    urls = [e["url"] for e in pool.endpoints()]
+    scraper = ServerMetricsScraper([urls[0] + "/v1", *urls[1:]], timeout_s=30.0)
+    headers = {"Authorization": f"Bearer {os.environ[POOL_KEY_VAR]}"}
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 8, "ignore_eos": True}
+    try:
+        async with httpx.AsyncClient(timeout=120, headers=headers) as http:
+            first_start = time.monotonic()
+            first = await scraper.scrape()
+            first_done = time.monotonic()
+            tokens = dict.fromkeys(urls, 0)
+            for url in urls * 2:
+                reply = await http.post(url + "/v1/chat/completions", json=body)
+                assert reply.status_code == 200, reply.text
+                tokens[url] += reply.json()["usage"]["completion_tokens"]
+            metrics_text = (await http.get(urls[1] + "/metrics")).text
+            await asyncio.sleep(1.0)  # the frontend records a request's stats after its reply
+            second_start = time.monotonic()
+            second = await scraper.scrape()
+            second_done = time.monotonic()
+            quiet = await scraper.scrape()  # nothing generated since the second
+    finally:
+        await scraper.aclose()
+    assert "# TYPE vllm:generation_tokens_total counter" in metrics_text
+    for util in first:
+        assert util.up and util.error is None, util
+        assert isinstance(util.running, int) and isinstance(util.waiting, int)
+        assert util.kv_cache_usage is not None and 0.0 <= util.kv_cache_usage <= 1.0
+        assert util.generation_tokens_per_s is None  # the first scrape has no interval
+    for url, util in zip(urls, second, strict=True):
+        assert util.up and util.error is None, util
+        assert (util.running, util.waiting) == (0, 0)
+        assert util.kv_cache_usage is not None and 0.0 <= util.kv_cache_usage <= 1.0
+        assert tokens[url] > 0
+        # The replica generated tokens[url] between the scrapes, and nothing else did.
+        rate = util.generation_tokens_per_s
+        assert rate is not None and rate > 0, util
+        assert tokens[url] / (second_done - first_start) <= rate
+        assert rate <= tokens[url] / (second_start - first_done)
+        assert util.prompt_tokens_per_s is not None and util.prompt_tokens_per_s > 0
+        assert util.mean_queue_time_s is not None and util.mean_queue_time_s >= 0
+    for util in quiet:
+        assert util.up and util.generation_tokens_per_s == 0.0
+        assert util.mean_queue_time_s is None  # no request left the queue
+    summary = ServerMetricsScraper.summary(second)
+    assert summary["endpoints_up"] == summary["endpoints"] == 2
+    assert summary["generation_tokens_per_s"] == pytest.approx(
+        sum(u.generation_tokens_per_s for u in second), rel=1e-3)
 
 
 @pytest.mark.integration
