@@ -32,7 +32,9 @@ from config import Config
 from rollout.aio import TaskSet, backoff_s, call
 from rollout.errors import ConfigError, one_line
 from rollout.monitoring import Metrics
+from rollout.server_metrics import ServerMetricsScraper
 from rollout.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
+from rollout.utilization import UtilizationTracker
 from trajectory_runner import TrajectoryRunner, episode_deadline_s
 
 __all__ = ["AgentCoordinator"]
@@ -45,6 +47,8 @@ _STATS_INTERVAL_S = 1.0
 # A statistics call that takes longer than this is skipped (a busy or dying actor must not
 # hold up the coordinator).
 _STATS_TIMEOUT_S = 5.0
+# Each model server's /metrics must answer within this (a slow one is reported as down).
+_SCRAPE_TIMEOUT_S = 2.0
 # Extra concurrent calls a runner accepts beyond its episodes (stats, cancel).
 _RUNNER_SPARE_CALLS = 16
 # Calls to the storage and the pool that should answer at once.
@@ -117,7 +121,7 @@ class AgentCoordinator:
         self._draining = False
         self._cancelling = False
         self._started_at = time.time()
-        self._metrics = Metrics(cfg.monitoring.ray_metrics and use_ray)
+        self._metrics = Metrics(cfg.monitoring.ray_metrics and use_ray, run=cfg.run.name)
         self.counters: Counter[str] = Counter()
         self._rewards_sum = 0.0
         self._rewards_n = 0
@@ -125,6 +129,9 @@ class AgentCoordinator:
         self._sample: dict[str, Any] = {}
         self._step_history: deque[tuple[float, int]] = deque([(time.time(), 0)])
         self._pool_stats: dict[str, Any] = {}
+        self._utilization = UtilizationTracker()
+        self._servers: ServerMetricsScraper | None = None   # the model servers' /metrics
+        self._servers_sample: dict[str, Any] | None = None
         self._breakers = {"model": _Breaker("model", "model endpoints"),
                           "desktop": _Breaker("desktop", "desktops")}
         self._model_probe: Any = None     # a ModelServicePool used for health probes only
@@ -233,6 +240,8 @@ class AgentCoordinator:
         await self._tasks.cancel_all()
         if self._model_probe is not None:
             await self._model_probe.close()
+        if self._servers is not None:
+            await self._servers.aclose()
         runners = [r for r in self._runners if r.alive]
         await asyncio.gather(*(call(r.handle, "close") for r in runners),
                              return_exceptions=True)
@@ -640,6 +649,8 @@ class AgentCoordinator:
             except Exception:  # a dying actor simply gives no statistics
                 return None
 
+        scrape = (asyncio.ensure_future(self._scrape_model_servers(runners)) if write
+                  else None)
         results = await asyncio.gather(one(self.desktop_pool, "stats"),
                                        *(one(r.handle, "stats") for r in runners))
         if results[0] is not None:
@@ -677,10 +688,64 @@ class AgentCoordinator:
             "model_in_flight_by_endpoint": dict(by_endpoint),
             "step_time_s": _step_split([r.last_stats for r in runners]),
         }
+        if write:
+            # The interval since the last written sample: the desktops' time split, actions
+            # per minute, the mean step split (rollout/utilization.py); the model servers.
+            utilization = self._utilization.update(
+                time.monotonic(), pool.get("state_s"),
+                {r.id: r.last_stats for r in runners if r.last_stats})
+            if scrape is not None:
+                await scrape
+            self._servers_sample = {**(self._servers_sample or {}),
+                                    "utilization": utilization}
+        self._sample.update(self._servers_sample or {})
         sample = self.stats()
         self._metrics.sample(sample)
         if write:
             await call(self.storage, "write_metrics", sample)
+
+
+    async def _scrape_model_servers(self, runners: list[_Runner]) -> None:
+        """The model servers' own figures (vLLM's Prometheus ``/metrics``): requests running
+        and waiting, KV-cache use, tokens/s, queue and inference time; and the fleet's
+        replicas when its state directory is known. Never raises."""
+        try:
+            urls = sorted({url for r in runners
+                           for url in (r.last_stats.get("model_in_flight_by_endpoint") or {})})
+            if self._servers is None:
+                self._servers = ServerMetricsScraper(urls, timeout_s=_SCRAPE_TIMEOUT_S)
+            else:
+                self._servers.set_urls(urls)
+            found = await self._servers.scrape() if urls else []
+            sample: dict[str, Any] = {
+                "model_servers": {"endpoints": [u.to_dict() for u in found],
+                                  "summary": ServerMetricsScraper.summary(found)}
+                if found else None,
+                "fleet": fleet_summary(Path(self.model_state_dir))
+                if self.model_state_dir else None,
+            }
+        except Exception:  # statistics must never stop the run
+            log.exception("model server statistics failed")
+            return
+        self._servers_sample = {**(self._servers_sample or {}), **sample}
+
+
+def fleet_summary(state_dir: Path) -> dict[str, Any] | None:
+    """Replicas by state, restarts and reloads of the fleet whose ``endpoints.json`` is in
+    ``state_dir`` (run_model.py's supervisor), or None when there is none (yet)."""
+    from rollout.fleet.state import read_state
+
+    try:
+        state = read_state(state_dir)
+    except (OSError, ValueError):
+        return None
+    if not state:
+        return None
+    replicas = state.get("endpoints") or []
+    return {"replicas": dict(Counter(str(e.get("state")) for e in replicas)),
+            "restarts": sum(int(e.get("restarts") or 0) for e in replicas),
+            "reloads": sum(int(e.get("reloads") or 0) for e in replicas),
+            "model_version": state.get("model_version")}
 
 
 def avoid_of(result: EpisodeResult) -> list[str]:

@@ -50,6 +50,7 @@ from rollout.types import (
     Status,
     is_infeasible,
 )
+from rollout.utilization import StateClock
 from storage_actor import EpisodeWriter
 from ui_tars_utils import (
     IMAGE_WRAPPER_TOKENS,
@@ -199,6 +200,7 @@ class _Episode:
         self.deadline: asyncio.Timeout | None = None   # of setup and steps, while they run
         self.outage: str | None = None
         self.fatal = False
+        self.phase: str | None = None  # what its desktop does now (rollout/utilization.py)
 
     # ----------------------------------------------------------------- the loop
 
@@ -211,6 +213,7 @@ class _Episode:
             waited = time.monotonic()
             lease = await self._lease()
             self.timing["lease_wait_s"] = time.monotonic() - waited
+            self._enter("other")
             self.desktop = lease.desktop_id
             env = self.env = self.r.env_factory(lease, cfg.desktops)
             await within(self.writer.begin(self.task), _ACTOR_CALL_TIMEOUT_S,
@@ -227,7 +230,9 @@ class _Episode:
                     f"episode deadline of {cfg.runner.episode_timeout_s:.0f}s reached")
             finally:
                 self.deadline = None
+            self._enter("evaluate")
             reward = await self._evaluate(env)
+            self._enter("other")
             if status not in (Status.MAX_STEPS, Status.TIMEOUT):
                 status = Status.SUCCESS if reward >= SUCCESS_REWARD else Status.FAILURE
         except _EpisodeEnded as ended:
@@ -270,8 +275,10 @@ class _Episode:
         """Setup, then steps until the agent ends; returns ``failure`` (to be scored) or
         ``max_steps``."""
         t0 = time.monotonic()
+        self._enter("setup")
         shot = await env.reset(self.task)
         self.timing["reset_s"] = time.monotonic() - t0
+        self._enter("other")
         self.reset_done = True
         await self._save_first_screenshot(shot)
         for step in range(1, self.cfg.runner.max_steps + 1):
@@ -285,6 +292,7 @@ class _Episode:
         agent ended the episode (DONE or FAIL)."""
         runner_cfg = self.cfg.runner
         step_started = time.monotonic()
+        wall_started = time.time()
         width, height = shot.size
         messages = build_messages(
             str(self.task.get("instruction", "")), self.history, shot,
@@ -293,7 +301,9 @@ class _Episode:
             note=runner_cfg.prompt_note,
         )
         self.last_messages = messages
+        self._enter("model")
         generation, parsed, discarded, model_s = await self._generate(messages, width, height)
+        self._enter("other")
         sampling = self.cfg.model.sampling
         record = step_record(step, generation, parsed, len(discarded), self.files.file_of(shot),
                              token_ids=sampling.return_token_ids, logprobs=sampling.logprobs,
@@ -312,15 +322,29 @@ class _Episode:
         # The step counts from here (its action may run): a deadline or a cancel before it
         # is held below still writes its line, so result.steps is traj.jsonl's line count.
         self.pending_record = record
+        split = {"action_s": 0.0, "pause_s": 0.0, "screenshot_s": 0.0}
         if code is not None:
-            result = await env.step(code, pause_s=runner_cfg.action_pause_s)
+            self._enter("action")
+            result = await env.step(code)
             record["info"] = {"returncode": result.returncode, "error": result.error or None}
+            split["action_s"] = time.monotonic() - env_started
+            # The pause after an action (the env contract's pause_s), timed on its own.
+            await self._pause(runner_cfg.action_pause_s, split)
         if terminal == WAIT:
+            self._enter("pause")
+            t0 = time.monotonic()
             await env.step(WAIT, pause_s=runner_cfg.wait_s)
+            split["pause_s"] += time.monotonic() - t0
         ended = terminal in (DONE, FAIL)
-        next_shot = None if ended else await env.observe()
+        next_shot = None
+        if not ended:
+            self._enter("screenshot")
+            t0 = time.monotonic()
+            next_shot = await env.observe()
+            split["screenshot_s"] = time.monotonic() - t0
+        self._enter("other")
         self._time_step(record, model_s, time.monotonic() - env_started,
-                        time.monotonic() - step_started)
+                        time.monotonic() - step_started, split, wall_started)
         record["done"] = ended
         # A step's line is written with the next step's screenshot (or at the end, when
         # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
@@ -337,14 +361,30 @@ class _Episode:
         next_shot.forget_png()  # stored: requests need its base64 only
         return next_shot
 
+    async def _pause(self, pause_s: float, split: dict[str, float]) -> None:
+        if pause_s > 0:
+            self._enter("pause")
+            t0 = time.monotonic()
+            await asyncio.sleep(pause_s)
+            split["pause_s"] += time.monotonic() - t0
+
+    def _enter(self, phase: str | None) -> None:
+        """The episode's desktop now does ``phase`` (None: the episode gave it back)."""
+        self.r.phases.move(self.phase, phase)
+        self.phase = phase
+
     def _time_step(self, record: dict[str, Any], model_s: float, env_s: float,
-                   step_s: float) -> None:
+                   step_s: float, split: dict[str, float], started_at: float) -> None:
+        """The step's traj.jsonl ``timing``: model / env (= action + pause + screenshot) /
+        overhead seconds, the whole step, and when it started (epoch s)."""
         timing = {"model_s": model_s, "env_s": env_s,
-                  "overhead_s": max(0.0, step_s - model_s - env_s), "step_s": step_s}
-        record["timing"] = {k: round(v, 6) for k, v in timing.items()}
+                  "overhead_s": max(0.0, step_s - model_s - env_s), "step_s": step_s,
+                  **split}
+        record["timing"] = {**{k: round(v, 6) for k, v in timing.items()},
+                            "started_at": round(started_at, 6)}
         for key in ("model_s", "env_s", "overhead_s"):
             self.timing[key] += timing[key]
-        self.r.step_done(timing)
+        self.r.step_done(timing, acted=split["action_s"] > 0)
 
     def _record_images(self, record: dict[str, Any], messages: list[dict[str, Any]],
                        generation: Generation, width: int, height: int) -> None:
@@ -506,6 +546,7 @@ class _Episode:
     async def _finish(self, lease: Any, healthy: bool, status: str, error: str | None,
                       retryable: bool, reward: float | None) -> EpisodeResult:
         self.r.model.end_session(self.session_id)
+        self._enter(None)
         try:
             if lease is not None:
                 await within(call(self.r.desktop_pool, "release", lease.lease_id, healthy),
@@ -589,8 +630,11 @@ class TrajectoryRunner:
         self._episodes: dict[str, asyncio.Task[EpisodeResult]] = {}
         self._recent: OrderedDict[str, EpisodeResult] = OrderedDict()
         self.background = TaskSet()
-        self.counters = {"episodes": 0, "steps": 0, "model_s": 0.0, "env_s": 0.0,
-                         "overhead_s": 0.0}
+        self.counters = {"episodes": 0, "steps": 0, "actions": 0, "model_s": 0.0, "env_s": 0.0,
+                         "overhead_s": 0.0, "action_s": 0.0, "pause_s": 0.0,
+                         "screenshot_s": 0.0}
+        # Episode-seconds by what their desktops do (leased time only): utilization.
+        self.phases = StateClock()
 
     @property
     def model(self) -> ModelServicePool:
@@ -607,12 +651,13 @@ class TrajectoryRunner:
             self._evaluator = Evaluator.from_config(self.cfg)
         return self._evaluator
 
-    def step_done(self, timing: dict[str, float]) -> None:
+    def step_done(self, timing: dict[str, float], acted: bool = False) -> None:
         self.counters["steps"] += 1
-        for key in ("model_s", "env_s", "overhead_s"):
-            self.counters[key] += timing[key]
+        self.counters["actions"] += acted
+        for key in ("model_s", "env_s", "overhead_s", "action_s", "pause_s", "screenshot_s"):
+            self.counters[key] += timing.get(key, 0.0)
         if self._metrics is None:
-            self._metrics = Metrics(self.cfg.monitoring.ray_metrics)
+            self._metrics = Metrics(self.cfg.monitoring.ray_metrics, run=self.cfg.run.name)
         self._metrics.step(timing["model_s"], timing["env_s"], timing["overhead_s"])
 
     async def run_episode(self, spec: EpisodeSpec, avoid: list[str] | None = None
@@ -678,6 +723,7 @@ class TrajectoryRunner:
             "pid": os.getpid(),
             "active": len(self._episodes),
             **self.counters,
+            "phase_s": {k: round(v, 4) for k, v in self.phases.totals().items()},
             "model_in_flight": model.in_flight if model else 0,
             "model_in_flight_by_endpoint": (
                 {e["url"]: e["outstanding"] for e in model.stats()["endpoints"]} if model else {}

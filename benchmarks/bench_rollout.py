@@ -463,14 +463,14 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
     s = row.setup
     schedule = "batch" if row.schedule == "batch" else "rollout"
     per_runner = 1 if row.schedule == "actor-per-episode" else s.per_runner(row.concurrency)
-    return load_config(None, _sim_sets(
+    return load_config(None, sim_sets(
         row.run_dir, tasks, desktop_urls, reset_command, model_urls, model_name,
         concurrency=row.concurrency, spares=row.spares, per_runner=per_runner,
         schedule=schedule, max_steps=s.lengths.max_steps, history_images=s.history_images,
         action_pause_s=0.0))
 
 
-def _sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command: list[str],
+def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command: list[str],
               model_urls: list[str], model_name: str, *, concurrency: int, spares: int,
               per_runner: int, schedule: str, max_steps: int, history_images: int,
               action_pause_s: float) -> list[str]:
@@ -1005,7 +1005,7 @@ def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: Si
 
     from config import load_config
 
-    sets = _sim_sets(
+    sets = sim_sets(
         run_dir, tasks, world.desktop_urls, world.reset_command, world.model_urls,
         world.model.model, concurrency=k, spares=_spares_for(k),
         per_runner=_per_runner(k, setup.episodes_per_runner), schedule="rollout",

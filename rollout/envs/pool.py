@@ -22,6 +22,7 @@ from rollout.envs.providers.base import Desktop, DesktopProvider
 from rollout.envs.verify import DesktopVerifier
 from rollout.errors import DesktopError, DesktopUnavailable
 from rollout.http import redact_url
+from rollout.utilization import StateClock
 
 __all__ = ["DesktopPool", "Lease", "pool_actor_name"]
 
@@ -69,6 +70,7 @@ class DesktopPool:
         self.cfg = cfg
         self.provider = provider or make_provider(cfg)
         self._desktops: dict[str, Desktop] = {}
+        self.state_clock = StateClock()             # desktop-seconds per state
         self._free: list[str] = []                 # desktop ids, oldest ready first
         self._waiters: list[asyncio.Future[str]] = []
         self._leases: dict[str, Lease] = {}
@@ -183,7 +185,7 @@ class DesktopPool:
             self._make_free(desktop_id)
             raise DesktopUnavailable(f"{owner} was released before its lease arrived")
         desktop = self._desktops[desktop_id]
-        desktop.state = "leased"
+        self._set_state(desktop, "leased")
         desktop.leases += 1
         lease = Lease(uuid.uuid4().hex, desktop.id, desktop.url, owner,
                       time.time() + self.cfg.lease_max_s)
@@ -201,7 +203,7 @@ class DesktopPool:
         desktop = self._desktops[lease.desktop_id]
         if not healthy:
             desktop.failures += 1
-        desktop.state = "resetting"
+        self._set_state(desktop, "resetting")
         self._spawn(self._reset(desktop))
 
     async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
@@ -225,6 +227,7 @@ class DesktopPool:
         resets = sorted(self.reset_durations_s)
         return {
             **by_state,
+            "state_s": {k: round(v, 3) for k, v in self.state_clock.totals().items()},
             "waiting": len(self._waiters),
             "missing": max(0, self.target_size() - len(self._desktops)),
             "last_start_error": self.last_start_error,
@@ -330,11 +333,19 @@ class DesktopPool:
         while self._waiters:
             waiter = self._waiters.pop(0)
             if not waiter.done():
-                desktop.state = "leased"  # reserved for this waiter
+                self._set_state(desktop, "leased")  # reserved for this waiter
                 waiter.set_result(desktop_id)
                 return
-        desktop.state = "free"
+        self._set_state(desktop, "free")
         self._free.append(desktop_id)
+
+    def _set_state(self, desktop: Desktop, state: str) -> None:
+        """Every state change goes through here: the state clock counts desktop-seconds
+        per state (a stopped desktop leaves it)."""
+        if desktop.id in self._desktops:
+            self.state_clock.move(None if desktop.state == "stopped" else desktop.state,
+                                  None if state == "stopped" else state)
+        desktop.state = state
 
     def _spawn(self, coro: Any) -> asyncio.Task[Any]:
         return self._tasks.spawn(coro)
@@ -352,6 +363,7 @@ class DesktopPool:
                 raise DesktopError(f"{desktop.id}: cannot take the baseline its resets are "
                                    f"checked against: {exc}") from exc
         self._desktops[desktop.id] = desktop
+        self.state_clock.move(None, desktop.state)
         self._make_free(desktop.id)
         return desktop
 
@@ -388,7 +400,7 @@ class DesktopPool:
 
     async def _quarantine(self, desktop: Desktop, reason: str) -> None:
         log.warning("desktop %s quarantined: %s", desktop.id, reason)
-        desktop.state = "quarantined"
+        self._set_state(desktop, "quarantined")
         desktop.last_error = reason
         desktop.quarantined_at = time.monotonic()
         self.counters["quarantined"] += 1
@@ -432,7 +444,7 @@ class DesktopPool:
             await self.provider.stop(desktop)
         except Exception as exc:  # stopping is best effort; the reason is logged
             log.error("stopping %s failed: %s", desktop.id, exc)
-        desktop.state = "stopped"
+        self._set_state(desktop, "stopped")
 
     async def _housekeeping(self) -> None:
         """Reclaim expired leases, health-check idle desktops, retry quarantined static ones."""
@@ -459,5 +471,5 @@ class DesktopPool:
                 retry_after = self.cfg.static.retry_quarantined_s
                 for desktop in [d for d in self._desktops.values() if d.state == "quarantined"]:
                     if time.monotonic() - desktop.quarantined_at >= retry_after:
-                        desktop.state = "resetting"
+                        self._set_state(desktop, "resetting")
                         self._spawn(self._reset(desktop))

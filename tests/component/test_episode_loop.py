@@ -142,7 +142,8 @@ async def test_a_solved_episode_leaves_osworlds_files_and_ours(make_world):
     assert traj[0]["screenshot_file"] == "step_1.png" and traj[0]["observation_file"] == \
         "step_0.png"
     assert traj[1]["action"] == "DONE" and set(traj[0]["timing"]) == {
-        "model_s", "env_s", "overhead_s", "step_s"}
+        "model_s", "env_s", "overhead_s", "step_s", "action_s", "pause_s", "screenshot_s",
+        "started_at"}
     episode_dir = world.run_dir / "d/t1/0"
     assert {p.name for p in episode_dir.iterdir()} >= {
         "task_config.json", "traj.jsonl", "step_0.png", "step_1.png", "result.txt",

@@ -73,8 +73,9 @@ def test_a_small_demo_end_to_end(tmp):
         assert [s["step_num"] for s in steps] == list(range(1, r["steps"] + 1))
         for s in steps[:-1]:
             assert s["screenshot_file"] in files and s["observation_file"] in files
-            assert not s["done"] and set(s["timing"]) == {"model_s", "env_s", "overhead_s",
-                                                          "step_s"}
+            assert not s["done"] and set(s["timing"]) == {
+                "model_s", "env_s", "overhead_s", "step_s", "action_s", "pause_s",
+                "screenshot_s", "started_at"}
         # The same reward everywhere it is written.
         assert steps[-1]["done"] and steps[-1]["reward"] == r["reward"]
         assert float((episode / "result.txt").read_text()) == r["reward"]
@@ -85,6 +86,13 @@ def test_a_small_demo_end_to_end(tmp):
     assert info["versions"]["ray"]
     samples = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert samples and samples[-1]["episodes_done"] == len(results)
+    # Utilization (desktops' time split, the scripted policy's vLLM-style /metrics).
+    util = [s["utilization"] for s in samples if (s.get("utilization") or {}).get("desktop")]
+    assert util and max(u["desktop"]["acting"] for u in util) > 0
+    assert max(u["actions_per_min"] for u in util) > 0
+    servers = [s["model_servers"]["summary"] for s in samples if s.get("model_servers")]
+    assert servers and all(x["endpoints_up"] == x["endpoints"] == 1 for x in servers)
+    assert max(x["generation_tokens_per_s"] or 0 for x in servers) > 0
     assert "calculator" in done.stdout and "terminal" in done.stdout  # the per-domain table
     assert not list((tmp / "desktops").glob("*/session.json")), "desktops left running"
 
