@@ -1,6 +1,7 @@
 """A static, offline HTML report of a run's trajectories: index.html, a sortable table of
-tasks x rollouts, and a page per episode with each step's screenshot, the action drawn over
-it, thought, response and timings. Exit codes: 0, 2 on bad usage or RUN_DIR missing."""
+tasks x rollouts (under the run's timeline, when plot_run.py drew it), and a page per episode
+with each step's screenshot, the action drawn over it, thought, response and timings. Exit
+codes: 0, 2 on bad usage or RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -36,6 +37,9 @@ from rollout.results import (
 __all__ = ["main"]
 
 EPISODES_DIR = "episodes"
+# plot_run.py's run-level figures the index shows (the first) or links, when they exist.
+PLOTS_DIR = "plots"
+RUN_PLOTS = ("timeline.png", "timeline_runners.png", "utilization.png")
 # Overlay sizes are in screen pixels of a 1280-wide screen and scale with the screenshot.
 _REFERENCE_WIDTH_PX = 1280
 _MARKER_RADIUS_PX = 18
@@ -66,6 +70,7 @@ td.num { text-align: right; }
 .text { flex: 1; min-width: 0; }
 pre { white-space: pre-wrap; word-break: break-word; background: #f6f6f6; padding: .5em; }
 .missing { padding: 3em 1em; background: #eee; color: #a00; }
+.timeline img { max-width: 100%; height: auto; }
 .warn { color: #a00; }
 """
 
@@ -355,8 +360,44 @@ def _where(action: dict[str, Any]) -> str:
     return f" at ({point[0]:g}, {point[1]:g})" if point else ""
 
 
-def index_page(run: Run, episodes: list[Episode], links: dict[str, str]) -> str:
-    """The tasks x rollouts table; ``links`` maps episode ids to their pages.
+def _plots_section(plots: list[str]) -> str:
+    """The run's timeline (``plots``: the RUN_PLOTS placed next to index.html, relative
+    paths), or how to draw it."""
+    timeline = [p for p in plots if Path(p).name == RUN_PLOTS[0]]
+    more = " &middot; ".join(f'<a href="{_e(quote(p))}">{_e(Path(p).stem)}</a>'
+                             for p in plots if p not in timeline)  # fmt: skip
+    if not timeline:
+        return (
+            '<p class="timeline">No run timeline yet: <code>scripts/plot_run.py RUN_DIR '
+            "--plots timeline utilization</code> draws it (then write this report again)."
+            f"{' Plots: ' + more if more else ''}</p>"
+        )
+    url = _e(quote(timeline[0]))
+    return (
+        '<details class="timeline" open><summary>Run timeline: what each desktop did over '
+        f"time{' (also: ' + more + ')' if more else ''}</summary>"
+        f'<a href="{url}"><img src="{url}" alt="run timeline"></a></details>'
+    )
+
+
+def place_run_plots(plots_dir: Path, out_dir: Path) -> list[str]:
+    """plot_run.py's RUN_PLOTS found in ``plots_dir``, hard-linked (copied across file
+    systems) into ``out_dir/plots``; their paths relative to ``out_dir``."""
+    placed = []
+    for name in RUN_PLOTS:
+        src = plots_dir / name
+        if src.is_file():
+            (out_dir / PLOTS_DIR).mkdir(parents=True, exist_ok=True)
+            _place_image(src, out_dir / PLOTS_DIR / name)
+            placed.append(f"{PLOTS_DIR}/{name}")
+    return placed
+
+
+def index_page(run: Run, episodes: list[Episode], links: dict[str, str],
+               plots: list[str] | None = None) -> str:  # fmt: skip
+    """The tasks x rollouts table; ``links`` maps episode ids to their pages; ``plots`` the
+    run's figures placed next to it (``place_run_plots``), the timeline shown above the
+    table.
 
     The only script is a small inline table sorter; ``index.html#sort=<column>[:asc|:desc]``
     sorts on load through the same click handler a user triggers (columns: domain, task,
@@ -406,6 +447,7 @@ def index_page(run: Run, episodes: list[Episode], links: dict[str, str]) -> str:
     )
     body = (
         f"<h1>{_e(run.path)}</h1><p>{_e(summary)}. Click a column header to sort.</p>"
+        f"{_plots_section(plots or [])}"
         f'<table id="episodes"><thead><tr>{header}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
@@ -422,10 +464,12 @@ def _slug(episode_id: str, taken: set[str]) -> str:
     return slug
 
 
-def build(run: Run, out_dir: Path, task: str | None = None) -> list[Episode]:
+def build(run: Run, out_dir: Path, task: str | None = None,
+          plots_dir: Path | None = None) -> list[Episode]:  # fmt: skip
     """Write index.html and the episode pages into ``out_dir``; return the episodes shown.
-    Screenshots are hard-linked (copied across file systems) into ``out_dir`` and referenced
-    by relative paths, lazily loaded: the report needs no network and no server."""
+    Screenshots (and the run's timeline from ``plots_dir``, default RUN_DIR/plots) are
+    hard-linked (copied across file systems) into ``out_dir`` and referenced by relative
+    paths, lazily loaded: the report needs no network and no server."""
     episodes = [
         e for e in run.episodes
         if task is None or task in (e.task_id, f"{e.domain}/{e.task_id}")
@@ -442,7 +486,10 @@ def build(run: Run, out_dir: Path, task: str | None = None) -> list[Episode]:
         page = episode_page(e, lines, problems, pages_dir / slug, slug)
         (pages_dir / f"{slug}.html").write_text(page, encoding="utf-8")
         links[e.episode_id] = f"{EPISODES_DIR}/{slug}.html"
-    (out_dir / "index.html").write_text(index_page(run, episodes, links), encoding="utf-8")
+    plots = place_run_plots(plots_dir if plots_dir is not None else run.path / PLOTS_DIR,
+                            out_dir)  # fmt: skip
+    (out_dir / "index.html").write_text(index_page(run, episodes, links, plots),
+                                        encoding="utf-8")  # fmt: skip
     return episodes
 
 
@@ -454,6 +501,11 @@ def _parser() -> argparse.ArgumentParser:
         "drawn on it, the thought, the raw response and the timings.",
     )
     parser.add_argument("--task", metavar="ID", help="only this task (task_id or domain/task_id)")
+    parser.add_argument(
+        "--plots-dir", metavar="DIR", type=Path,
+        help="where plot_run.py wrote the run's timeline.png (shown above the table), "
+        "timeline_runners.png and utilization.png (default: RUN_DIR/plots)",
+    )  # fmt: skip
     add_out_dir(parser, "viewer")
     return parser
 
@@ -467,7 +519,7 @@ def main(argv: list[str] | None = None) -> int:
         args.task in (e.task_id, f"{e.domain}/{e.task_id}") for e in run.episodes
     ):
         fail(parser, f"--task {args.task}: no episode in {run.path}")
-    episodes = build(run, out_dir, args.task)
+    episodes = build(run, out_dir, args.task, args.plots_dir)
     if not episodes:
         print(f"{run.path}: no finished episodes")
     print(f"wrote {out_dir / 'index.html'} ({len(episodes)} episodes)")

@@ -5,6 +5,9 @@
     summary.py  the one-run summary: summarize(run) and print_table(summary)
     versions.py model versions: their order in a run (version_order), --min-version and
                 --exclude-mixed (select_versions), the per-version and per-pass rows
+    timeline.py what each desktop and runner did over time: episode_segments(run) in phases,
+                lanes(), desktop_time_split() and activity_series() (plot_run.py draws them);
+                imported from rollout.results.timeline
     cli.py      what the scripts share: parser, opening a run, version options, formatting
 
 No Ray, matplotlib or PIL: those are imported, if at all, by the script that draws.

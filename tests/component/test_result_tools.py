@@ -698,7 +698,9 @@ def test_plots_without_metrics_skip_only_the_timeline(run_a, tmp_path, capsys):
     captured = capsys.readouterr()
     assert "metrics.jsonl: missing, skipping progress and desktops plots" in captured.err
     made = sorted(p.name for p in (run_a / "plots").iterdir())
-    assert made == ["latency.png", "success_by_domain.png"]
+    # The utilization plot falls back to the split the timeline gives.
+    assert made == ["latency.png", "success_by_domain.png", "timeline.png",
+                    "timeline_runners.png", "utilization.png"]
 
 
 # --------------------------------------------------------------------------- the CLIs
@@ -727,7 +729,7 @@ def test_every_script_runs_as_a_command_from_another_cwd(run_a, run_b, tmp_path)
     assert (run_a / "viewer" / "index.html").is_file()
     plotted = _cli("plot_run.py", "run_a", "--out", "p", cwd=tmp_path)
     assert plotted.returncode == 0, plotted.stderr
-    assert len(list((tmp_path / "p").glob("*.png"))) == len(plot_run.PLOTS)
+    assert len(list((tmp_path / "p").glob("*.png"))) == len(plot_run.PLOTS) + 1  # + runners
     missing = _cli("show_result.py", "no_such_run", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == "show_result.py: error: no_such_run: no such directory"
