@@ -736,6 +736,14 @@ class MonitoringConfig(_Section):
     """Sampling period of ``metrics.jsonl``."""
     ray_metrics: bool = True
     """Export ``rollout_*`` metrics to the Ray dashboard / Prometheus."""
+    tracker: Literal["none", "mlflow"] = "none"
+    """Log the run's summary and curves to an experiment tracker at its end
+    (``rollout/results/trackers.py``; needs the ``trackers`` extra)."""
+    tracker_uri: str | None = None
+    """The tracker's URI (MLflow: ``sqlite:///path/mlflow.db`` for a local store, or a
+    server's URL); null: the ``MLFLOW_TRACKING_URI`` environment variable."""
+    tracker_experiment: str = Field("cua-rollout", min_length=1)
+    """The experiment the run is logged under (the run's name names the tracker's run)."""
 
 
 class Config(_Section):

@@ -31,7 +31,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from config import Config, add_config_arguments, config_from_args
-from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
+from rollout.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable, one_line
 from rollout.evaluation.preflight import TaskChecker
 from rollout.files import DirectoryLock, LockHeld
 from rollout.fleet.child import PoolChild
@@ -275,6 +275,36 @@ def print_summary(run_dir: Path) -> dict[str, Any] | None:
     return summary
 
 
+def _tracker_uri(cfg: Config) -> str | None:
+    """Where ``monitoring.tracker`` logs the run, checked before anything starts."""
+    mon = cfg.monitoring
+    if mon.tracker == "none":
+        return None
+    from rollout.results.trackers import check_tracker
+
+    check_tracker(mon.tracker)
+    uri = mon.tracker_uri or os.environ.get("MLFLOW_TRACKING_URI")
+    if not uri:
+        raise ConfigError("monitoring.tracker_uri: not set and MLFLOW_TRACKING_URI is empty "
+                          "(a local store: sqlite:///path/mlflow.db)")
+    return uri
+
+
+def _log_to_tracker(cfg: Config, run_dir: Path, uri: str) -> None:
+    """The run's summary and curves to the tracker; a failure is reported, not fatal (the
+    run's own files are complete already)."""
+    from rollout.results.trackers import log_run
+
+    try:
+        run_id = log_run(run_dir, uri=uri, experiment=cfg.monitoring.tracker_experiment,
+                         run_name=cfg.run.name, tracker=cfg.monitoring.tracker)
+    except Exception as exc:
+        print(f"monitoring.tracker: logging to {redact_url(uri)} failed: {one_line(exc)}",
+              file=sys.stderr)
+        return
+    print(f"logged to {cfg.monitoring.tracker} ({redact_url(uri)}): run {run_id}")
+
+
 # --------------------------------------------------------------------------- the run
 
 
@@ -431,8 +461,10 @@ def run(cfg: Config) -> int:
         except LockHeld as exc:
             raise FatalSetupError(f"another run.py ({exc.holder}) is writing {run_dir}; "
                                   "wait for it to end or use another run.name") from None
-        # What can be checked without Ray fails first: the task source, the model endpoints.
+        # What can be checked without Ray fails first: the task source, the tracker, the
+        # model endpoints.
         TaskLoader(cfg.tasks, run_dir)
+        tracker_uri = _tracker_uri(cfg)
         model_state_dir = None
         pool = None
         if cfg.model_pool.start_with_run and not cfg.model.scripted:
@@ -469,6 +501,8 @@ def run(cfg: Config) -> int:
             if status not in ("failed", "stopped"):
                 summary = print_summary(run_dir)
             stop_actors(actors, status, summary)
+        if tracker_uri is not None:
+            _log_to_tracker(cfg, run_dir, tracker_uri)
     problems = loader.problems
     if problems:
         print(f"{len(problems)} task(s) could not be loaded or cannot run here:",

@@ -73,7 +73,9 @@ def test_utilization_figures_match_the_simulated_timings(tmp: Path, world: SimWo
                      action_pause_s=PAUSE_S)
     sets += ["tasks.rollouts_per_task=1", f"monitoring.metrics_interval_s={INTERVAL_S}",
              "ray.include_dashboard=false", "ray.num_cpus=2",
-             "desktops.screen_width=1280", "desktops.screen_height=720"]
+             "desktops.screen_width=1280", "desktops.screen_height=720",
+             # The run's summary and curves to MLflow at its end (a local SQLite store).
+             "monitoring.tracker=mlflow", f"monitoring.tracker_uri=sqlite:///{tmp}/mlflow.db"]
     cfg = load_config(None, sets)
     config = tmp / "util.yaml"
     config.write_text(yaml.safe_dump(cfg.model_dump(mode="json", exclude_unset=True)))
@@ -166,6 +168,24 @@ def test_utilization_figures_match_the_simulated_timings(tmp: Path, world: SimWo
     assert traj[0]["timing"]["action_s"] == pytest.approx(ACTION_S, abs=0.1)
     assert traj[0]["timing"]["pause_s"] == pytest.approx(PAUSE_S, abs=0.05)
     assert traj[-1]["timing"]["action_s"] == 0.0 and "started_at" in traj[-1]["timing"]
+    # The same figures reached the experiment tracker.
+    assert "logged to mlflow" in done.stdout
+    _check_tracker(f"sqlite:///{tmp}/mlflow.db", len(samples))
     if os.environ.get("UTIL_DUMP"):
         import shutil
         shutil.copy(run_dir / "metrics.jsonl", os.environ["UTIL_DUMP"])
+
+
+def _check_tracker(uri: str, samples: int) -> None:
+    import warnings
+
+    from mlflow.tracking import MlflowClient
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)  # MLflow's SQLAlchemy use
+        client = MlflowClient(tracking_uri=uri)
+        [run] = client.search_runs([client.get_experiment_by_name("cua-rollout").experiment_id])
+        assert run.info.run_name == "util" and run.info.status == "FINISHED"
+        assert run.data.metrics["overall/episodes"] == TASKS
+        acting = client.get_metric_history(run.info.run_id, "utilization/desktop/acting")
+        assert 0 < len(acting) < samples and all(0 <= m.value <= 1 for m in acting)

@@ -142,7 +142,8 @@ evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path:
 storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
           database_url: "postgresql+psycopg://rollout@db:5432/rollout",
           database_password_env: DB_PASSWORD}
-monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false}
+monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
+             tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp}
 """
 
 
