@@ -167,7 +167,7 @@ from benchmarks.sim_world import (  # noqa: E402
     ModelSim,
     SimWorld,
 )
-from rollout.layout import EPISODE_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
+from rollout.layout import EPISODE_FILE, METRICS_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
 from rollout.results import read_jsonl  # noqa: E402
 from rollout.types import Status  # noqa: E402
 
@@ -498,6 +498,7 @@ def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command:
         f"runner.max_steps={max_steps}",
         f"runner.history_images={history_images}",
         "monitoring.progress_bar=false",
+        "monitoring.metrics_interval_s=2",  # utilization samples inside short windows
     ]
 
 
@@ -688,6 +689,41 @@ def _percentile(ordered: list[float], q: float) -> float | None:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def _num(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _utilization_in(run_dir: Path, w0: float, w1: float) -> dict[str, Any] | None:
+    """The means of metrics.jsonl's utilization over the samples whose interval lies in
+    [w0, w1] (each weighted by its interval), and of the model servers' summary."""
+    samples = [x for x in _read_jsonl(run_dir / METRICS_FILE)
+               if (x.get("utilization") or {}).get("desktop") and x["t"] <= w1 + 0.5
+               and x["t"] - x["utilization"]["window_s"] >= w0 - 0.5]
+    if not samples:
+        return None
+    weights = [x["utilization"]["window_s"] for x in samples]
+    total = sum(weights)
+
+    def mean(values: list[float | None]) -> float | None:
+        known = [(v, w) for v, w in zip(values, weights, strict=True) if v is not None]
+        return round(sum(v * w for v, w in known) / sum(w for _, w in known), 4) \
+            if known else None
+
+    utils = [x["utilization"] for x in samples]
+    servers = [(x.get("model_servers") or {}).get("summary") or {} for x in samples]
+    return {
+        "window_s": round(total, 2),
+        "desktop": {state: mean([u["desktop"][state] for u in utils])
+                    for state in utils[0]["desktop"]},
+        "actions_per_min": mean([u["actions_per_min"] for u in utils]),
+        "step_s": {phase: mean([(u["step_s"] or {}).get(phase) for u in utils])
+                   for phase in ("model", "action", "pause", "screenshot", "overhead")},
+        "model_servers": {key: mean([x.get(key) for x in servers])
+                          for key in ("running", "waiting", "generation_tokens_per_s",
+                                      "prompt_tokens_per_s", "mean_inference_time_s")},
+    }
+
+
 def _figures(row: _Row) -> dict[str, Any]:
     s = row.setup
     k = row.concurrency
@@ -794,6 +830,9 @@ def _figures(row: _Row) -> dict[str, Any]:
         "runner_processes": len(row.runner_rss),
         "runner_rss_mb_mean": round(statistics.fmean(row.runner_rss) / 2**20, 1)
         if row.runner_rss else None,
+        # What the run itself reported (metrics.jsonl) for the window: the desktops' time
+        # split, actions/min, the step split, the model servers' load (issue 19).
+        "utilization": _utilization_in(row.run_dir, w0, w1),
         "startup_s": round(row.startup_s, 1),
         "stop_s": round(row.stop_s, 1),
         "submitted": len(submitted),
@@ -935,6 +974,14 @@ def run_rollout_benchmark(
                         f"(ideal {figures['ideal_steps_per_s']}, ratio {figures['ratio']}), "
                         f"cpu {figures['cpu_ms_per_step']} ms/step, "
                         f"{time.monotonic() - t0:.0f}s")
+                    if (util := figures.get("utilization")) is not None:
+                        d, servers = util["desktop"], util["model_servers"]
+                        log(f"  utilization: desktops leased {d['leased']:.0%} (acting "
+                            f"{d['acting']:.0%}, model {d['model_wait']:.0%}, other "
+                            f"{d['other']:.0%}), resetting {d['resetting']:.0%}, idle "
+                            f"{d['idle']:.0%}; {util['actions_per_min']:.0f} actions/min; "
+                            f"servers {_num(servers['running'], 1)} running, "
+                            f"{_num(servers['generation_tokens_per_s'], 0)} tok/s")
     finally:
         sampler.stop()
         if started_ray:
