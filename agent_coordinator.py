@@ -31,6 +31,7 @@ from typing import Any
 from config import Config
 from rollout.aio import TaskSet, backoff_s, call
 from rollout.errors import ConfigError, one_line
+from rollout.fleet.state import fleet_summary
 from rollout.monitoring import Metrics
 from rollout.server_metrics import ServerMetricsScraper
 from rollout.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
@@ -728,24 +729,6 @@ class AgentCoordinator:
             log.exception("model server statistics failed")
             return
         self._servers_sample = {**(self._servers_sample or {}), **sample}
-
-
-def fleet_summary(state_dir: Path) -> dict[str, Any] | None:
-    """Replicas by state, restarts and reloads of the fleet whose ``endpoints.json`` is in
-    ``state_dir`` (run_model.py's supervisor), or None when there is none (yet)."""
-    from rollout.fleet.state import read_state
-
-    try:
-        state = read_state(state_dir)
-    except (OSError, ValueError):
-        return None
-    if not state:
-        return None
-    replicas = state.get("endpoints") or []
-    return {"replicas": dict(Counter(str(e.get("state")) for e in replicas)),
-            "restarts": sum(int(e.get("restarts") or 0) for e in replicas),
-            "reloads": sum(int(e.get("reloads") or 0) for e in replicas),
-            "model_version": state.get("model_version")}
 
 
 def avoid_of(result: EpisodeResult) -> list[str]:

@@ -6,6 +6,7 @@ model client imports this module, never the supervisor."""
 from __future__ import annotations
 
 import json
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NotRequired, TypedDict
@@ -24,6 +25,7 @@ __all__ = [
     "ReloadReplicaResult",
     "ReloadStatus",
     "SupervisorEntry",
+    "fleet_summary",
     "read_control",
     "read_state",
     "write_control",
@@ -130,6 +132,19 @@ def read_state(state_dir: Path) -> dict[str, Any] | None:
     """``endpoints.json`` as a dict, or None when it is missing or not a JSON object."""
     data = read_json(state_dir / ENDPOINTS_FILE)
     return data if isinstance(data, dict) else None
+
+
+def fleet_summary(state_dir: Path) -> dict[str, Any] | None:
+    """Replicas by state, restarts and reloads of the fleet whose ``endpoints.json`` is in
+    ``state_dir`` (run_model.py's supervisor), or None when there is none (yet)."""
+    state = read_state(state_dir)
+    if not state:
+        return None
+    replicas = state.get("endpoints") or []
+    return {"replicas": dict(Counter(str(e.get("state")) for e in replicas)),
+            "restarts": sum(int(e.get("restarts") or 0) for e in replicas),
+            "reloads": sum(int(e.get("reloads") or 0) for e in replicas),
+            "model_version": state.get("model_version")}
 
 
 def write_control(state_dir: Path, info: ControlInfo) -> None:

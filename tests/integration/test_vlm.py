@@ -149,6 +149,16 @@ def test_the_vlm_demo_as_users_run_it(tmp):
     assert not list((tmp / "d").glob("*/session.json")), "desktops left running"
     pool_state = json.loads((tmp / "pool" / "endpoints.json").read_text())
     assert pool_state["supervisor"] is None and pool_state["endpoints"] == []  # stopped
+    # Utilization during the run: the real vLLM's /metrics, the supervisor's replicas.
+    samples = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    servers = [e for x in samples for e in (x.get("model_servers") or {}).get("endpoints", [])]
+    assert servers and all(e["up"] for e in servers), servers[:3]
+    assert any(e["kv_cache_usage"] is not None for e in servers)
+    assert any((e["generation_tokens_per_s"] or 0) > 0 for e in servers)
+    assert any((e["mean_inference_time_s"] or 0) > 0 for e in servers)
+    fleets = [x["fleet"] for x in samples if x.get("fleet")]
+    assert fleets and max(f["replicas"].get("serving", 0) for f in fleets) >= 1
+    assert any((x.get("utilization") or {}).get("desktop") for x in samples)
     print(f"\nvlm demo: {len(results)} episodes, {steps_seen} steps in {wall_s:.0f} s; "
           f"model time per step median {statistics.median(model_s):.2f} s")
 

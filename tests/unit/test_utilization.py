@@ -98,3 +98,15 @@ def test_no_desktops_and_no_steps_give_empty_figures_not_errors():
     assert u == {"window_s": 5.0, "desktops": 0.0, "desktop": None, "actions_per_min": 0.0,
                  "step_s": None}
     assert tracker.update(5.0, None, {}) is None  # no time passed: no interval
+
+
+def test_fleet_summary_from_the_supervisors_state_file(tmp_path):
+    from rollout.fleet.state import fleet_summary, write_state
+
+    assert fleet_summary(tmp_path) is None  # no supervisor (yet)
+    write_state(tmp_path, {"model_version": "v3", "endpoints": [
+        {"state": "serving", "restarts": 1, "reloads": 2},
+        {"state": "serving", "restarts": 0, "reloads": 2},
+        {"state": "backoff", "restarts": 3, "reloads": 1}]})
+    assert fleet_summary(tmp_path) == {"replicas": {"serving": 2, "backoff": 1},
+                                       "restarts": 4, "reloads": 5, "model_version": "v3"}
