@@ -61,12 +61,14 @@ class Progress:
 
 def _utilization(stats: dict[str, Any]) -> str:
     """The desktops' time split and the model servers' load, when the last sample has them:
-    ``desktops acting 31% model 52% idle 9%  servers 12 run / 3 wait, kv 41%, 850 tok/s``."""
+    ``desktops acting 31% model 52% pause 5% resetting 2% idle 9%  actions/min 240  servers
+    12 run / 3 wait, kv 41%, 850 tok/s``."""
     out = ""
     util = stats.get("utilization") or {}
     split = util.get("desktop")
     if split:
         out += (f"  desktops acting {split['acting']:.0%} model {split['model_wait']:.0%} "
+                f"pause {split['pause']:.0%} resetting {split['resetting']:.0%} "
                 f"idle {split['idle']:.0%}  actions/min {util.get('actions_per_min', 0):.0f}")
     servers = (stats.get("model_servers") or {}).get("summary")
     if servers:

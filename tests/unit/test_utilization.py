@@ -110,3 +110,19 @@ def test_fleet_summary_from_the_supervisors_state_file(tmp_path):
         {"state": "backoff", "restarts": 3, "reloads": 1}]})
     assert fleet_summary(tmp_path) == {"replicas": {"serving": 2, "backoff": 1},
                                        "restarts": 4, "reloads": 5, "model_version": "v3"}
+
+
+def test_the_status_line_shows_the_utilization(capsys):
+    from rollout.progress import Progress
+
+    stats = {"success_rate": 0.5, "steps_per_s": 4.0, "desktops": {"leased": 2, "free": 1},
+             "utilization": {"desktop": {"leased": 0.7, "acting": 0.2, "model_wait": 0.4,
+                                         "pause": 0.05, "other": 0.05, "resetting": 0.1,
+                                         "idle": 0.2}, "actions_per_min": 238.4},
+             "model_servers": {"summary": {"running": 3, "waiting": 1, "kv_cache_usage": 0.41,
+                                           "generation_tokens_per_s": 850.2, "endpoints_up": 1,
+                                           "endpoints": 2}}}
+    Progress(enabled=False, total=10, done_before=0).update(4, 10, stats)
+    line = capsys.readouterr().err
+    assert ("desktops acting 20% model 40% pause 5% resetting 10% idle 20%  actions/min 238  "
+            "servers 3 run / 1 wait, kv 41%, 850 tok/s, up 1/2") in line
