@@ -205,7 +205,7 @@ class RolloutSetup:
     model_servers: int = 4
     episodes_per_runner: int | None = None  # rollout and batch; None: one runner per core
     history_images: int = 5
-    startup_timeout_s: float = 120.0  # every slot must have stepped by then
+    startup_timeout_s: float = 120.0  # every slot must have stepped by then (at least)
     batch_budget_s: float = 150.0     # a batch row whose one batch would last longer: skipped
     ape_memory_share: float = 0.6     # a-p-e rows must fit in this share of free memory
     ape_start_budget_s: float = 60.0  # ... and their actors start within this many seconds
@@ -611,7 +611,10 @@ def _measure_window(row: _Row, coordinator: Any, sampler: _ProcessSampler,
     """Warm up (``warmup_s`` and every slot stepped), then a ``window_s`` wall-time window,
     polling like run.py's driver."""
     s = row.setup
-    deadline = started + s.startup_timeout_s
+    # Every slot's first step needs concurrency / fleet_steps_per_s of the fleet's time
+    # (82 s at 4096): the wait scales with it.
+    timeout_s = max(s.startup_timeout_s, 3 * s.step_s_for(row.concurrency) + 30)
+    deadline = started + timeout_s
     all_stepped: float | None = None
     while True:
         stats = _poll(coordinator)["stats"]
@@ -621,7 +624,7 @@ def _measure_window(row: _Row, coordinator: Any, sampler: _ProcessSampler,
             break
         if time.monotonic() > deadline:
             raise RuntimeError(f"{row.schedule} at {row.concurrency}: the slots did not all "
-                               f"step within {s.startup_timeout_s:.0f}s ({stats})")
+                               f"step within {timeout_s:.0f}s ({stats})")
         time.sleep(0.5)
     row.startup_s = all_stepped
     row.runner_rss = sampler.rss_of("TrajectoryRunner")

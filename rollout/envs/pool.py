@@ -30,6 +30,10 @@ log = logging.getLogger(__name__)
 
 # The housekeeping loop runs at least this often (reclaiming leases, idle health checks).
 _HOUSEKEEPING_MAX_INTERVAL_S = 5.0
+# Idle desktops health-checked at once. Unbounded, a pool of thousands sent thousands of
+# checks in one burst every round; those that timed out behind the burst (healthy desktops)
+# were quarantined (1,255 of 4,352 simulated desktops, at 4,096 episodes).
+_HEALTH_CHECKS_AT_ONCE = 32
 _REFILL_BACKOFF_INITIAL_S = 2.0   # after a failed start, the first delay before another
 _REFILL_BACKOFF_MAX_S = 120.0
 # Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
@@ -446,6 +450,16 @@ class DesktopPool:
             log.error("stopping %s failed: %s", desktop.id, exc)
         self._set_state(desktop, "stopped")
 
+    async def _health_of(self, desktops: list[Desktop]) -> list[bool]:
+        """The provider's health of each desktop, ``_HEALTH_CHECKS_AT_ONCE`` at a time."""
+        gate = asyncio.Semaphore(_HEALTH_CHECKS_AT_ONCE)
+
+        async def one(desktop: Desktop) -> bool:
+            async with gate:
+                return await self.provider.health(desktop)
+
+        return await asyncio.gather(*(one(d) for d in desktops))
+
     async def _housekeeping(self) -> None:
         """Reclaim expired leases, health-check idle desktops, retry quarantined static ones."""
         while True:
@@ -462,7 +476,7 @@ class DesktopPool:
                     and time.monotonic() >= self._refill_at):
                 self._refill = self._spawn(self._refill_one())
             idle = [d for d in self._desktops.values() if d.state == "free"]
-            healthy = await asyncio.gather(*(self.provider.health(d) for d in idle))
+            healthy = await self._health_of(idle)
             for desktop, ok in zip(idle, healthy, strict=True):
                 if not ok and desktop.state == "free":  # not leased while we were checking
                     self._free.remove(desktop.id)

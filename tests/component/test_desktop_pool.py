@@ -186,6 +186,28 @@ async def test_idle_desktop_failing_health_is_quarantined(make_pool):
     assert "fake-0" not in ids
 
 
+async def test_idle_health_checks_of_a_big_pool_go_a_few_at_a_time(make_pool):
+    class Slow(FakeProvider):
+        def __init__(self) -> None:
+            super().__init__()
+            self.now = self.most = self.checks = 0
+
+        async def health(self, desktop):
+            self.now += 1
+            self.most = max(self.most, self.now)
+            try:
+                await asyncio.sleep(0.01)
+            finally:
+                self.now -= 1
+            self.checks += 1
+            return True
+
+    provider = Slow()
+    pool = await make_pool(provider, count=200)
+    await until(lambda: provider.checks >= 400)  # two rounds over 200 idle desktops
+    assert 1 < provider.most <= 32 and pool.stats()["quarantined"] == 0
+
+
 async def test_expired_lease_is_reclaimed(make_pool):
     pool = await make_pool(FakeProvider(), count=1, lease_max_s=0.1)
     stale = await pool.lease("dead-runner")
