@@ -497,6 +497,11 @@ def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command:
         f"runner.action_pause_s={action_pause_s}",
         f"runner.max_steps={max_steps}",
         f"runner.history_images={history_images}",
+        # Each runner process opens at most this many connections to an endpoint (256 by
+        # default): past 2 runners x 4 endpoints x 256 = 2,048 episodes, the rest would wait
+        # for a connection, not for the model. Routing is not perfectly even: 1.5x.
+        "model.max_connections_per_endpoint="
+        f"{max(256, math.ceil(1.5 * per_runner / max(1, len(model_urls))))}",
         "monitoring.progress_bar=false",
         "monitoring.metrics_interval_s=2",  # utilization samples inside short windows
     ]
