@@ -307,10 +307,8 @@ def _sample_split(samples: list[dict[str, Any]], t0: float | None
         split = (sample.get("utilization") or {}).get("desktop")
         if not isinstance(split, dict) or not any(_is_number(split.get(k)) for k in ys):
             continue
-        x = sample.get("elapsed_s")
-        if t0 is not None and _is_number(sample.get("t")):
-            x = sample["t"] - t0
-        if not _is_number(x):
+        x = _sample_x(sample, t0)
+        if x is None:
             continue
         xs.append(float(x))
         for state, values in ys.items():
@@ -319,6 +317,15 @@ def _sample_split(samples: list[dict[str, Any]], t0: float | None
         value = split.get("leased")
         leased.append(float(value) if _is_number(value) else float("nan"))
     return xs, {k: v for k, v in ys.items() if any(v)}, leased
+
+
+def _sample_x(sample: dict[str, Any], t0: float | None) -> float | None:
+    """A sample's place on the x axis: seconds since ``t0`` (the run's start) when it has a
+    time, else its ``elapsed_s``; None without either."""
+    x = sample.get("elapsed_s")
+    if t0 is not None and _is_number(sample.get("t")):
+        x = sample["t"] - t0
+    return float(x) if _is_number(x) else None
 
 
 def _model_server_series(samples: list[dict[str, Any]], t0: float | None
@@ -331,10 +338,8 @@ def _model_server_series(samples: list[dict[str, Any]], t0: float | None
         servers = sample.get("model_servers")
         if not isinstance(servers, dict):
             continue
-        x = sample.get("elapsed_s")
-        if t0 is not None and _is_number(sample.get("t")):
-            x = sample["t"] - t0
-        if not _is_number(x):
+        x = _sample_x(sample, t0)
+        if x is None:
             continue
         summary = servers.get("summary") if isinstance(servers.get("summary"), dict) else {}
         endpoints = [e for e in servers.get("endpoints") or [] if isinstance(e, dict)]
