@@ -34,6 +34,8 @@ _HOUSEKEEPING_MAX_INTERVAL_S = 5.0
 # checks in one burst every round; those that timed out behind the burst (healthy desktops)
 # were quarantined (1,255 of 4,352 simulated desktops, at 4,096 episodes).
 _HEALTH_CHECKS_AT_ONCE = 32
+# After a failed health check that follows a reset, pauses before asking again.
+_RECHECKS_AFTER_RESET_S = (0.5, 1.5)
 _REFILL_BACKOFF_INITIAL_S = 2.0   # after a failed start, the first delay before another
 _REFILL_BACKOFF_MAX_S = 120.0
 # Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
@@ -371,13 +373,28 @@ class DesktopPool:
         self._make_free(desktop.id)
         return desktop
 
+    async def _healthy_after_reset(self, desktop: Desktop) -> None:
+        """The provider's health check after a reset, asked again after short pauses
+        before the desktop is given up: under load (4,096 episodes on two cores) one check
+        timed out behind the others and quarantined hundreds of healthy desktops. The
+        reset's own deadline bounds the whole."""
+        checks = 1
+        healthy = await self.provider.health(desktop)
+        for pause_s in _RECHECKS_AFTER_RESET_S:
+            if healthy:
+                return
+            await asyncio.sleep(pause_s)
+            checks += 1
+            healthy = await self.provider.health(desktop)
+        if not healthy:
+            raise DesktopError(f"unhealthy after reset ({checks} checks)")
+
     async def _reset(self, desktop: Desktop) -> None:
         started = time.monotonic()
         try:
             async with asyncio.timeout(self.cfg.reset_timeout_s):  # the check included
                 await self.provider.reset(desktop)
-                if not await self.provider.health(desktop):
-                    raise DesktopError("unhealthy after reset")
+                await self._healthy_after_reset(desktop)
                 problems = await self._verify(desktop)
         except asyncio.CancelledError:
             raise

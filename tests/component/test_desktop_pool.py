@@ -208,6 +208,35 @@ async def test_idle_health_checks_of_a_big_pool_go_a_few_at_a_time(make_pool):
     assert 1 < provider.most <= 32 and pool.stats()["quarantined"] == 0
 
 
+async def test_a_health_check_failing_once_after_a_reset_is_asked_again(make_pool):
+    class Flaky(FakeProvider):
+        def __init__(self) -> None:
+            super().__init__()
+            self.fail_next: set[str] = set()
+
+        async def reset(self, desktop):
+            await super().reset(desktop)
+            self.fail_next.add(desktop.id)  # its first check after this reset fails
+
+        async def health(self, desktop):
+            if desktop.id in self.fail_next:
+                self.fail_next.discard(desktop.id)
+                return False
+            return await super().health(desktop)
+
+    provider = Flaky()
+    pool = await make_pool(provider, count=1, health_interval_s=60)
+    lease = await pool.lease("a")
+    await pool.release(lease.lease_id)
+    await until(lambda: pool.stats()["free"] == 1)
+    assert pool.stats()["quarantined"] == 0 and pool.stats()["replaced"] == 0
+    # A desktop that stays unhealthy is still given up, once the checks are spent.
+    provider.unhealthy.add(lease.desktop_id)
+    lease = await pool.lease("b")
+    await pool.release(lease.lease_id)
+    await until(lambda: pool.stats()["quarantined"] == 1)
+
+
 async def test_expired_lease_is_reclaimed(make_pool):
     pool = await make_pool(FakeProvider(), count=1, lease_max_s=0.1)
     stale = await pool.lease("dead-runner")
