@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import ConfigError
+from rollout.files import read_json
 from rollout.layout import METRICS_FILE, RUN_FILE
 from rollout.results.runs import load_run, read_metrics
 from rollout.results.summary import summarize
@@ -115,7 +116,8 @@ def _log_mlflow(run_dir: Path, uri: str, experiment: str, run_name: str | None) 
     from mlflow.entities import Metric, Param, RunTag
     from mlflow.tracking import MlflowClient
 
-    info = _read_json(run_dir / RUN_FILE)
+    info = read_json(run_dir / RUN_FILE)
+    info = info if isinstance(info, dict) else {}
     loaded = load_run(run_dir)
     summary = summarize(loaded) if loaded.episodes else None
     samples, _ = read_metrics(run_dir)
@@ -193,10 +195,3 @@ def _number(value: Any) -> bool:
     return (isinstance(value, int | float) and not isinstance(value, bool)
             and math.isfinite(value))
 
-
-def _read_json(path: Path) -> dict[str, Any]:
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return {}
-    return data if isinstance(data, dict) else {}
