@@ -23,6 +23,9 @@ from rollout.http import is_loopback
 
 __all__ = [
     "LEASE_MARGIN_S",
+    "TASK_MODES",
+    "TEXT_MODES",
+    "BenchmarkConfig",
     "Config",
     "ContainerDesktopsConfig",
     "CoordinatorConfig",
@@ -31,9 +34,12 @@ __all__ = [
     "EvaluationConfig",
     "KubernetesDesktopsConfig",
     "LocalDesktopsConfig",
+    "MetricName",
     "ModelConfig",
     "ModelPoolConfig",
     "MonitoringConfig",
+    "PyToolConfig",
+    "RagToolConfig",
     "RayConfig",
     "RunConfig",
     "RunnerConfig",
@@ -41,7 +47,10 @@ __all__ = [
     "StaticDesktopsConfig",
     "StorageConfig",
     "TasksConfig",
+    "TextConfig",
+    "TextMode",
     "VerifyConfig",
+    "WebToolConfig",
     "add_config_arguments",
     "config_from_args",
     "load_config",
@@ -150,6 +159,74 @@ class TasksConfig(_Section):
     checkpoint_barrier: CheckpointBarrierConfig = CheckpointBarrierConfig()
     """Start new groups only while the model pool serves its newest checkpoint (DART's
     ``load_latest_model()`` before each batch)."""
+    mode: Literal["desktop", "math", "py", "rag", "web"] = "desktop"
+    """What ``source`` holds: OSWorld desktop tasks (``desktop``), or a text benchmark of
+    ``{id, question, answer, metadata}`` items run in that text mode (scored by ``metric``).
+    The desktop pool is started only when some task needs a desktop."""
+    metric: MetricName = "exact_match"
+    """A text ``source``'s evaluation metric (as ``benchmarks[].metric``)."""
+    metric_variant: Literal["original", "normalized"] = "normalized"
+    """A text ``source``'s metric variant (as ``benchmarks[].metric_variant``)."""
+    benchmarks: list[BenchmarkConfig] = []
+    """Text benchmarks run besides (or instead of) ``source``, each in its own mode."""
+
+    @model_validator(mode="after")
+    def _benchmarks(self) -> TasksConfig:
+        seen: dict[str, str] = {}
+        own = 1 if self.mode != "desktop" and self.source is not None else 0
+        for i, bench in enumerate(self.text_benchmarks()):
+            where = ("tasks.source" if i < own else f"tasks.benchmarks[{i - own}]") + (
+                f" ({bench.source})")
+            if bench.domain in seen:
+                raise ValueError(f"{where}: benchmark name {bench.domain!r} is also "
+                                 f"{seen[bench.domain]}'s; give one of them a name")
+            seen[bench.domain] = where
+        return self
+
+    def text_benchmarks(self) -> list[BenchmarkConfig]:
+        """Every text benchmark of the run: ``source`` when ``mode`` is a text mode, then
+        ``benchmarks``."""
+        own = ([BenchmarkConfig(source=self.source, mode=self.mode, metric=self.metric,
+                                metric_variant=self.metric_variant)]
+               if self.mode != "desktop" and self.source is not None else [])
+        return own + list(self.benchmarks)
+
+    @property
+    def needs_desktops(self) -> bool:
+        """Whether some task runs on a desktop (the pool is started only then)."""
+        return self.mode == "desktop" and self.source is not None
+
+
+TEXT_MODES = ("math", "py", "rag", "web")
+"""The text environments (no desktop): ``math`` (no tools), ``py`` (a Python sandbox), ``rag``
+(retrieval over a local corpus), ``web`` (search and page fetch)."""
+TASK_MODES = ("desktop", *TEXT_MODES)
+TextMode = Literal["math", "py", "rag", "web"]
+MetricName = Literal["exact_match", "f1_score", "similarity", "contains_answer",
+                     "numeric_match", "llm_judgement"]
+
+
+class BenchmarkConfig(_Section):
+    """A text benchmark: a JSON (a list) or JSONL file of ``{id, question, answer, metadata}``
+    items, run in one text mode and scored by one answer metric (an item may name its own in
+    ``metadata.evaluation_metric``)."""
+
+    source: Path
+    """The benchmark file (.json: a list of items; .jsonl: one item per line)."""
+    mode: TextMode
+    """The environment its episodes run in."""
+    metric: MetricName = "exact_match"
+    """The benchmark's ``evaluation_metric`` (docs/text_metrics.md)."""
+    metric_variant: Literal["original", "normalized"] = "normalized"
+    """``original`` reproduces the seeds' definitions, quirks kept; ``normalized`` is ours."""
+    numeric_tolerance: NonNegFloat = 1e-6
+    """numeric_match's tolerance (relative in ``normalized``, absolute in ``original``)."""
+    name: str | None = Field(None, min_length=1, pattern=r"^[A-Za-z0-9._-]+$")
+    """Its name in results (the episodes' domain); null: the file's stem."""
+
+    @property
+    def domain(self) -> str:
+        return self.name or Path(self.source).stem
 
 
 class SamplingConfig(_Section):
@@ -727,6 +804,111 @@ class StorageConfig(_Section):
         return self
 
 
+class PyToolConfig(_Section):
+    """The ``py`` mode's Python sandbox (rollout/text/sandbox.py): each call runs in a fresh
+    process of its own, without network, seeing only its episode's scratch directory."""
+
+    timeout_s: PositiveFloat = 10.0
+    """Wall-clock limit of one call; past it the snippet and all it started are killed."""
+    memory_mb: PositiveInt = 512
+    """Address-space limit of the snippet's processes."""
+    max_output_bytes: PositiveInt = 16384
+    """Kept of each of stdout and stderr; a snippet writing far beyond it is killed."""
+    max_processes: PositiveInt = 32
+    """Processes the snippet may run at once (a fork bomb stops here)."""
+    max_file_mb: PositiveInt = 64
+    """Largest file the snippet may write."""
+    max_scratch_mb: PositiveInt = 256
+    """Size of the episode's scratch directory; past it the snippet is killed."""
+    max_scratch_files: PositiveInt = 10000
+    """Entries of the scratch directory; past them the snippet is killed."""
+    tmp_mb: PositiveInt = 64
+    """The in-memory /tmp (and /dev/shm) of a call."""
+    scratch_root: Path | None = None
+    """Where the episodes' scratch directories are made (null: the system's temp dir)."""
+
+
+class RagToolConfig(_Section):
+    """The ``rag`` mode's retrieval tool (rollout/text/rag.py)."""
+
+    corpus: Path | None = None
+    """A JSONL file of ``{id, title?, text}`` passages, or a directory of .txt/.md files."""
+    top_k: PositiveInt = 3
+    """Passages a search returns unless the call asks for another number."""
+    model: str | None = None
+    """The embedding model (null: the bundled default; docs/text_modes.md)."""
+    chunk_chars: PositiveInt = 1200
+    """Longer texts are split at paragraph and sentence boundaries into chunks of this size."""
+    max_result_chars: PositiveInt = 4000
+    """Of passage text returned to the model per call."""
+    cache_dir: Path | None = Path(".cache/rag")
+    """Embeddings and index, cached by a hash of the corpus, model and chunking (null: none)."""
+
+
+class WebToolConfig(_Section):
+    """The ``web`` mode's search and page-fetch tools (rollout/text/web.py)."""
+
+    backend: Literal["corpus", "serper", "brave"] = "corpus"
+    """``corpus``: a web corpus server's /search (``serve_corpus`` or ``search_url``);
+    ``serper`` / ``brave``: those search APIs (a key in ``api_key_env``)."""
+    search_url: str | None = None
+    """The search server's base URL (corpus), or another endpoint for an API backend."""
+    api_key_env: str | None = None
+    """The environment variable holding the search API's key (never the key itself)."""
+    serve_corpus: Path | None = None
+    """A directory of pages the driver serves on loopback for the run (the demo's web):
+    search and pages over real HTTP; sets ``search_url``."""
+    top_k: PositiveInt = 5
+    """Results a search returns unless the call asks for another number."""
+    request_timeout_s: PositiveFloat = 10.0
+    """Whole deadline of one search or fetch."""
+    max_page_bytes: PositiveInt = 2_000_000
+    """Of a page downloaded; the rest is not read."""
+    max_page_chars: PositiveInt = 8000
+    """Of a page's text returned to the model."""
+    max_redirects: NonNegInt = 5
+
+    @model_validator(mode="after")
+    def _where(self) -> WebToolConfig:
+        if self.serve_corpus is not None and self.search_url is not None:
+            raise ValueError("text.web.serve_corpus serves the run's own corpus and sets the "
+                             "search URL: it excludes text.web.search_url")
+        if self.backend != "corpus" and self.serve_corpus is not None:
+            raise ValueError(f"text.web.serve_corpus needs backend 'corpus', not "
+                             f"{self.backend!r}")
+        if self.backend != "corpus" and self.api_key_env is None:
+            raise ValueError(f"text.web.backend {self.backend!r} needs text.web.api_key_env, "
+                             "the variable holding the API key")
+        return self
+
+
+class TextConfig(_Section):
+    """Text environments (``math``, ``py``, ``rag``, ``web``; tasks.mode / tasks.benchmarks):
+    the tool-calling agent and the tools of each mode."""
+
+    max_turns: PositiveInt = 10
+    """Model replies per episode; an episode without a final answer by then ends as
+    ``max_steps`` (scored with no answer: 0)."""
+    max_tool_calls_per_turn: PositiveInt = 8
+    """Tool calls of one reply that are run (parallel calls run concurrently); the rest are
+    answered with an error."""
+    tool_timeout_s: PositiveFloat = 60.0
+    """Outer deadline of one tool call (each tool has its own, shorter limits)."""
+    tool_choice: Literal["auto", "required"] = "auto"
+    """Sent with the tools: ``required`` forces a tool call on every turn (vLLM's structured
+    outputs), ``auto`` lets the model answer."""
+    final_answer_tool: bool = True
+    """Offer an ``answer`` tool whose argument is the final answer (besides a plain reply)."""
+    system_prompt: str | None = None
+    """Replaces the mode's system prompt (rollout/text/prompts.py)."""
+    judge: ModelConfig | None = None
+    """The judge model of ``llm_judgement`` (its own endpoints, model and key variable);
+    null: the run's model (``model``)."""
+    py: PyToolConfig = PyToolConfig()
+    rag: RagToolConfig = RagToolConfig()
+    web: WebToolConfig = WebToolConfig()
+
+
 class MonitoringConfig(_Section):
     """What the user sees while a run goes on."""
 
@@ -760,6 +942,7 @@ class Config(_Section):
     evaluation: EvaluationConfig = EvaluationConfig()
     storage: StorageConfig = StorageConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
+    text: TextConfig = TextConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:

@@ -19,14 +19,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from config import TasksConfig
+from config import BenchmarkConfig, TasksConfig
 from rollout.errors import ConfigError
 from rollout.files import iter_jsonl, iter_jsonl_lines
 from rollout.layout import RESULTS_FILE
+from rollout.text.benchmark import ItemProblem, text_task
 from rollout.types import SCORED_STATUSES, EpisodeSpec
 
 __all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
-           "load_tasks",
+           "load_benchmark", "load_tasks",
            "name_problem", "validate_task"]
 
 logger = logging.getLogger(__name__)
@@ -340,6 +341,92 @@ class _DirectorySource(_Source):
         return tasks, problems
 
 
+class _BenchmarkSource(_Source):
+    """A text benchmark (``tasks.benchmarks`` or a text-mode ``tasks.source``): a JSON list
+    or a JSONL file of ``{id, question, answer, metadata}`` items, its name the domain."""
+
+    def __init__(self, bench: BenchmarkConfig) -> None:
+        super().__init__(Path(bench.source))
+        self.bench = bench
+        if not self.path.is_file():
+            raise ConfigError(f"tasks: benchmark {self.path} does not exist")
+
+    def _parse(self) -> _Parsed:
+        path, bench = self.path, self.bench
+        signature = _signature(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return _Parsed(signature, [], [TaskProblem(path, None, f"cannot read: {exc}")])
+        numbered: list[tuple[int | None, str, Any]] = []  # (line, where, item)
+        problems: list[TaskProblem] = []
+        if path.suffix == ".jsonl":
+            for line in iter_jsonl(text):
+                if line.error is not None:
+                    problems.append(TaskProblem(path, None, f"invalid JSON: {line.error}",
+                                                line.number))
+                else:
+                    numbered.append((line.number, "", line.value))
+        else:
+            try:
+                data = json.loads(text)
+            except json.JSONDecodeError as exc:
+                return _Parsed(signature, [], [TaskProblem(path, None, f"invalid JSON: {exc}")])
+            if not isinstance(data, list):
+                return _Parsed(signature, [], [TaskProblem(
+                    path, None, "a JSON benchmark must be a list of items (or use .jsonl)")])
+            numbered = [(None, f"[{i}]", item) for i, item in enumerate(data)]
+        tasks: list[_Task] = []
+        for line, where, item in numbered:
+            try:
+                task = text_task(item, mode=bench.mode, benchmark=bench.domain,
+                                 metric=bench.metric, variant=bench.metric_variant,
+                                 tolerance=bench.numeric_tolerance)
+            except ItemProblem as exc:
+                field = f"{where}.{exc.field}" if where and exc.field else (exc.field or where
+                                                                             or None)
+                problems.append(TaskProblem(path, field, exc.message, line))
+                continue
+            if (bad := name_problem(task["id"])) is not None:
+                problems.append(TaskProblem(path, f"{where}.id" if where else "id", bad, line))
+                continue
+            tasks.append(_Task(bench.domain, task["id"], task, path))
+        return _Parsed(signature, tasks, problems)
+
+    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
+        signature = _signature(self.path)
+        cached = self._cache.get(self.path)
+        if cached is None or cached.signature != signature:
+            cached = self._parse()
+            self._cache[self.path] = cached
+        return [t for t in cached.tasks if wanted(t.domain, t.task_id)], list(cached.problems)
+
+
+class _Sources(_Source):
+    """Several sources as one (the desktop source and the text benchmarks), in order."""
+
+    def __init__(self, sources: list[_Source]) -> None:
+        super().__init__(sources[0].path)
+        self.sources = sources
+
+    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
+        tasks: list[_Task] = []
+        problems: list[TaskProblem] = []
+        for source in self.sources:
+            found, bad = source.scan(wanted)
+            tasks += found
+            problems += bad
+        return tasks, problems
+
+
+def load_benchmark(bench: BenchmarkConfig
+                   ) -> tuple[list[dict[str, Any]], list[TaskProblem]]:
+    """Every item of a text benchmark as its task (``rollout.text.benchmark.text_task``) and
+    the problems of those that could not be read."""
+    tasks, problems = _BenchmarkSource(bench).scan(lambda domain, task_id: True)
+    return [t.task for t in tasks], problems
+
+
 def load_tasks(source: Path, examples_dir: Path | None = None
                ) -> tuple[list[tuple[str, str, dict[str, Any]]], list[TaskProblem]]:
     """Every task of ``source`` (a task list with its examples folder, a JSONL file or a
@@ -544,8 +631,18 @@ class TaskLoader:
 
     @staticmethod
     def _make_source(cfg: TasksConfig) -> _Source:
-        if cfg.source is None:
-            raise ConfigError("tasks.source is not set: give a task list, a JSONL file or a dir")
+        benchmarks: list[_Source] = [_BenchmarkSource(b) for b in cfg.text_benchmarks()]
+        if not cfg.needs_desktops:
+            if not benchmarks:
+                raise ConfigError("tasks.source is not set: give a task list, a JSONL file or "
+                                  "a dir (or text benchmarks in tasks.benchmarks)")
+            return benchmarks[0] if len(benchmarks) == 1 else _Sources(benchmarks)
+        desktop = TaskLoader._desktop_source(cfg)
+        return _Sources([desktop, *benchmarks]) if benchmarks else desktop
+
+    @staticmethod
+    def _desktop_source(cfg: TasksConfig) -> _Source:
+        assert cfg.source is not None
         source = Path(cfg.source)
         if source.is_dir():
             return _DirectorySource(source)

@@ -59,7 +59,10 @@ class TaskChecker:
 
     def __call__(self, task: Mapping[str, Any]) -> list[Problem]:
         from rollout.envs.setup_steps import step_problem
+        from rollout.text.benchmark import is_text_task
 
+        if is_text_task(task):  # no desktop, no OSWorld evaluator: an answer metric
+            return []
         problems: list[Problem] = []
         evaluator = task.get("evaluator")
         steps = [("config", task.get("config"))]

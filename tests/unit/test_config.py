@@ -32,6 +32,12 @@ tasks:
   rerun_infra_errors: false
   passes: 3
   checkpoint_barrier: {enabled: true, timeout_s: 600}
+  mode: desktop
+  metric: f1_score
+  metric_variant: original
+  benchmarks:
+    - {source: bench/gsm.jsonl, mode: py, metric: numeric_match, metric_variant: original,
+       numeric_tolerance: 0.01, name: gsm-py}
 model:
   name: ui-tars-1.5-7b
   family: uitars-1.0
@@ -144,6 +150,21 @@ storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
           database_password_env: DB_PASSWORD}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
              tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp}
+text:
+  max_turns: 4
+  max_tool_calls_per_turn: 3
+  tool_timeout_s: 20
+  tool_choice: required
+  final_answer_tool: false
+  system_prompt: Answer.
+  judge: null
+  py: {timeout_s: 3, memory_mb: 256, max_output_bytes: 1000, max_processes: 8, max_file_mb: 4,
+       max_scratch_mb: 16, max_scratch_files: 100, tmp_mb: 8, scratch_root: /tmp/scratch}
+  rag: {corpus: corpus.jsonl, top_k: 2, model: some-model, chunk_chars: 500,
+        max_result_chars: 900, cache_dir: null}
+  web: {backend: serper, search_url: "http://127.0.0.1:9/search", api_key_env: SERPER_KEY,
+        serve_corpus: null, top_k: 2, request_timeout_s: 3, max_page_bytes: 1000,
+        max_page_chars: 500, max_redirects: 1}
 """
 
 
@@ -183,6 +204,10 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
     assert cfg.coordinator.outage_give_up_s == 600
     assert cfg.run_dir == Path("out/exp-1")
+    assert cfg.tasks.metric_variant == "original" and cfg.tasks.needs_desktops
+    assert [b.domain for b in cfg.tasks.text_benchmarks()] == ["gsm-py"]
+    assert cfg.text.tool_choice == "required" and cfg.text.py.memory_mb == 256
+    assert cfg.text.rag.cache_dir is None and cfg.text.web.backend == "serper"
 
 
 def test_full_example_sets_every_field(tmp_path):
