@@ -5,6 +5,8 @@
     ├── FatalSetupError             the run cannot start (Ray, desktops, model endpoints)
     ├── FleetError                  the model fleet cannot start or be controlled (run_model.py)
     ├── ActionParseError            a model reply is not a UI-TARS action (agent-side, not infra)
+    ├── ToolError                   a tool call failed in a way the model is told (bad arguments,
+    │                               a snippet killed at its limits, a page that did not load)
     ├── InfraError                  something outside the agent broke; the episode may be retried
     │   ├── ModelUnavailable        no model endpoint answered in time (transient)
     │   ├── StorageError            the run's files cannot be written (disk full): stops the run
@@ -14,6 +16,8 @@
     │   │       ├── DownloadMissing        a download not cached offline, or refused (4xx)
     │   │       ├── UnsupportedSetupStep   the task names a setup step we do not implement
     │   │       └── BadTaskStep     a step's parameters are wrong or reach outside the task roots
+    │   ├── ToolUnavailable         a text environment's tool cannot run at all (its sandbox
+    │   │                           cannot start, its index cannot load): not the model's doing
     │   ├── UnsupportedEvaluator    a task names a getter or metric we do not implement
     │   └── EvaluationError         the scoring code failed (OSWorld's evaluator raised)
     └── ModelRequestError           the model server refused the request (4xx): never retried;
@@ -53,6 +57,8 @@ __all__ = [
     "RolloutError",
     "StorageError",
     "TaskSetupError",
+    "ToolError",
+    "ToolUnavailable",
     "UnsupportedEvaluator",
     "UnsupportedSetupStep",
     "one_line",
@@ -94,6 +100,13 @@ class ActionParseError(RolloutError):
         super().__init__(f"{message}: {text!r}" if text else message)
         self.reason = message
         self.text = text
+
+
+class ToolError(RolloutError):
+    """A tool call of a text environment failed in a way the model is told, as the tool's
+    reply: arguments that do not fit the tool's schema, a snippet killed at its limits, a
+    search backend's error, a page that did not load. Never ends the episode by itself; the
+    message is what the model reads (one or a few lines, no traceback of ours)."""
 
 
 class InfraError(RolloutError):
@@ -159,6 +172,12 @@ class BadTaskStep(TaskSetupError):
     tasks may read (``desktops.download_cache_dir``, ``desktops.task_file_roots``)."""
 
     retryable = False  # every attempt would hit it
+
+
+class ToolUnavailable(InfraError):
+    """A text environment's tool cannot run at all (its sandbox cannot start, its corpus or
+    index cannot be read): the infrastructure's failure, not the model's; the episode ends as
+    ``infra_error`` and may run again."""
 
 
 class UnsupportedEvaluator(InfraError):

@@ -58,6 +58,8 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 # desktop/image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
 apt_list() { grep -v -E '^[[:space:]]*(#|$)' "desktop/image/$1"; }
 mapfile -t apt_packages < <(apt_list apt-base.txt)
+# The py text mode's sandbox (rollout/text/sandbox.py): bubblewrap's namespaces and mounts.
+apt_packages+=(bubblewrap)
 # Only the tests need a browser (the trajectory viewer is checked in headless chromium),
 # OCR (the secrets test reads the screenshot of a terminal with tesseract) and a database server.
 # PostgreSQL: the trainer index's multi-consumer test starts its own server (initdb, pg_ctl).
@@ -91,8 +93,9 @@ py="$VENV/bin/python"
 "$py" -c 'import sys; assert sys.version_info >= (3, 11), sys.version' \
     || { echo "setup_env.sh: Python >= 3.11 needed in $VENV" >&2; exit 2; }
 
-extras=""
-[ "$dev" = 1 ] && extras="dev"
+# text: the text modes' tools (HTML to text, the bundled embedding model and its index).
+extras="text"
+[ "$dev" = 1 ] && extras="$extras,dev"
 [ "$vllm" != none ] && extras="${extras:+$extras,}$vllm"
 spec=".${extras:+[$extras]}"
 # Skip pip when nothing changed since the last successful set-up (a stamp of the inputs).

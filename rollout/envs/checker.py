@@ -1,18 +1,30 @@
 """``check_desktop_env``: the conformance checker every environment must pass (the OSWorld
 client against each provider's desktops, the simulated desktops, the function-built fake),
 as Gymnasium's ``env_checker`` is for its environments. It drives the contract of
-``contract.py`` and checks what the episode loop relies on."""
+``contract.py`` and checks what the episode loop relies on. ``check_text_env`` does the same
+for the text environments (math, py, rag, web)."""
 
 from __future__ import annotations
 
+import json
 import struct
 from typing import Any
 
-from rollout.envs.contract import DONE, FAIL, WAIT, DesktopEnv, DesktopProbe, StepResult
-from rollout.errors import DesktopError, UnsupportedSetupStep
+from rollout.envs.contract import (
+    DONE,
+    FAIL,
+    WAIT,
+    DesktopEnv,
+    DesktopProbe,
+    StepResult,
+    TextEnv,
+    ToolCall,
+)
+from rollout.errors import DesktopError, RolloutError, UnsupportedSetupStep
 from rollout.screenshot import Screenshot
+from rollout.text.tools import ToolSpec
 
-__all__ = ["ConformanceError", "check_desktop_env"]
+__all__ = ["ConformanceError", "check_desktop_env", "check_text_env"]
 
 # A task with no setup steps: every environment can reset to it.
 _EMPTY_TASK: dict[str, Any] = {"id": "conformance-check", "instruction": "conformance check",
@@ -121,3 +133,78 @@ async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = N
         await env.close()
     await env.close()  # idempotent
     return {"screen_size": size, "step": acted}
+
+
+# A text task every text environment can reset to.
+_TEXT_TASK: dict[str, Any] = {"id": "conformance-check", "question": "conformance check",
+                              "instruction": "conformance check", "answer": "ok",
+                              "metadata": {}}
+
+
+def _example_arguments(spec: ToolSpec) -> dict[str, Any]:
+    """Arguments of the declared types for the required properties of a tool's schema."""
+    examples = {"string": "conformance check", "integer": 1, "number": 1, "boolean": False,
+                "array": [], "object": {}}
+    properties = spec.parameters.get("properties", {})
+    return {name: examples.get(properties.get(name, {}).get("type"), "conformance check")
+            for name in spec.parameters.get("required", [])}
+
+
+async def check_text_env(env: Any) -> dict[str, Any]:
+    """Drive a text environment through its contract (``TextEnv``) and raise
+    ``ConformanceError`` at the first break:
+
+    - it is a ``TextEnv`` with a ``name``, a ``mode`` and ``tools``: ``ToolSpec``s with
+      distinct names whose parameters are an object schema (what OpenAI tools need);
+    - ``reset`` returns the task's question (a non-empty string);
+    - each tool, called with arguments of the declared types, returns a ``StepResult`` whose
+      output is a non-empty string (a tool's refusal is an output too);
+    - the model's mistakes are results, not exceptions: an unknown tool, arguments that are
+      not JSON and arguments that are not an object each return a ``StepResult`` that is not
+      ``ok`` and whose output names the problem for the model;
+    - nothing raises a library's exception; ``close`` returns, and a second ``close`` too.
+
+    Returns what it observed (the tools' names, each call's ``StepResult``).
+    """
+    _check(isinstance(env, TextEnv), f"{type(env).__name__} does not have reset, step, "
+           "close, name, mode and tools (rollout.envs.contract.TextEnv)")
+    calls: dict[str, StepResult] = {}
+    try:
+        _check(all(isinstance(spec, ToolSpec) for spec in env.tools),
+               "tools must be rollout.text.tools.ToolSpec")
+        names = [spec.name for spec in env.tools]
+        _check(len(set(names)) == len(names), f"two tools share a name: {names}")
+        for spec in env.tools:
+            _check(spec.parameters.get("type") == "object",
+                   f"tool {spec.name}: parameters must be an object schema")
+        first = await env.reset(_TEXT_TASK)
+        _check(isinstance(first, str) and "conformance check" in first,
+               f"reset() must return the task's question, got {first!r:.80}")
+        for n, spec in enumerate(env.tools):
+            call = ToolCall(f"check_{n}", spec.name, json.dumps(_example_arguments(spec)))
+            result = await env.step(call)
+            _check(isinstance(result, StepResult) and isinstance(result.output, str)
+                   and result.output.strip() != "",
+                   f"step() of tool {spec.name} must return a StepResult with an output for "
+                   f"the model, got {result!r:.200}")
+            calls[spec.name] = result
+        wrong = [ToolCall("check_unknown", "conformance_check_no_such_tool", "{}")]
+        if env.tools:
+            wrong += [ToolCall("check_json", env.tools[0].name, "{not json"),
+                      ToolCall("check_object", env.tools[0].name, "[1, 2]")]
+        for call in wrong:
+            result = await env.step(call)
+            _check(isinstance(result, StepResult) and not result.ok and result.output.strip(),
+                   f"step() of a wrong call ({call.name} {call.arguments!r}) must return a "
+                   f"StepResult that is not ok with a message for the model, got {result!r:.200}")
+    except ConformanceError:
+        raise
+    except RolloutError:
+        raise  # the environment failed, in the project's terms: not a contract break
+    except Exception as exc:
+        raise ConformanceError(f"{type(env).__name__} raised {type(exc).__name__} (not a "
+                               f"rollout.errors error): {exc}") from exc
+    finally:
+        await env.close()
+    await env.close()  # idempotent
+    return {"tools": [spec.name for spec in env.tools], "calls": calls}

@@ -2,7 +2,12 @@
 reset, step, observe, close) and what scoring needs of a desktop (``DesktopProbe``: files,
 commands, accessibility tree, setup steps). Every environment (the OSWorld HTTP client, the
 function-built fake, the providers' desktops) meets it; ``checker.check_desktop_env`` proves it.
-A leaf module: it imports nothing of the project but the screenshot type."""
+
+Text environments (``math``, ``py``, ``rag``, ``web``) meet the same shape with text in place
+of the screen (``TextEnv``: reset to the task's first message, step one ``ToolCall`` to a
+``StepResult`` whose output the model reads, close); ``checker.check_text_env`` proves it.
+
+A leaf module: it imports nothing of the project but the screenshot and tool types."""
 
 from __future__ import annotations
 
@@ -11,9 +16,10 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from rollout.screenshot import Screenshot
+from rollout.text.tools import ToolSpec
 
 __all__ = ["DONE", "FAIL", "SPECIAL_ACTIONS", "WAIT", "DesktopAddress", "DesktopEnv",
-           "DesktopProbe", "StepResult"]
+           "DesktopProbe", "StepResult", "TextEnv", "ToolCall"]
 
 # OSWorld's special actions: ``step`` takes them besides pyautogui code. WAIT pauses, DONE
 # and FAIL end the episode (FAIL: the agent gave up, which scores an infeasible task).
@@ -59,6 +65,43 @@ class DesktopEnv(Protocol):
 
     async def close(self) -> None:
         """Release what this object holds (not the desktop: the pool owns that)."""
+        ...
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call of a model reply, as the model wrote it: ``arguments`` is JSON text
+    that may not parse (the environment answers that as an error)."""
+
+    id: str
+    name: str
+    arguments: str
+
+
+@runtime_checkable
+class TextEnv(Protocol):
+    """A text environment the episode loop drives: ``mode`` (math, py, rag, web) and the
+    ``tools`` the model may call. ``step`` runs one call and never raises for the model's
+    mistakes (malformed arguments, an unknown tool, a call the tool refused): those are a
+    ``StepResult`` that is not ``ok`` (``returncode`` 1: the tool refused or failed, 2: the
+    arguments are not a JSON object, 3: no such tool) with the message the model reads in
+    ``output`` (``error`` says what went wrong). A tool that cannot run at all raises
+    ``rollout.errors.ToolUnavailable``."""
+
+    name: str
+    mode: str
+    tools: list[ToolSpec]
+
+    async def reset(self, task: Mapping[str, Any]) -> str:
+        """Start the task's episode; return its first user message (the question)."""
+        ...
+
+    async def step(self, call: ToolCall) -> StepResult:
+        """Run one tool call; ``StepResult.output`` is what the model reads next."""
+        ...
+
+    async def close(self) -> None:
+        """Release what the environment holds (sandbox processes, scratch files, sockets)."""
         ...
 
 
