@@ -424,6 +424,8 @@ class AgentCoordinator:
 
             with contextlib.suppress(Exception):
                 ray.kill(runner.handle, no_restart=True)
+        if self.desktop_pool is None:  # a run of text tasks: no desktops to return
+            return
         try:
             await asyncio.wait_for(call(self.desktop_pool, "release_owned", f"{runner.id}/",
                                         True), _ACTOR_CALL_TIMEOUT_S)
@@ -598,6 +600,8 @@ class AgentCoordinator:
                 self._model_probe = ModelServicePool(self.cfg.model, state)
             status = await asyncio.wait_for(self._model_probe.probe(), _STATS_TIMEOUT_S * 4)
             return status.live > 0, str(status)
+        if self.desktop_pool is None:
+            return True, "no desktops (text tasks)"
         stats = await asyncio.wait_for(call(self.desktop_pool, "stats"), _STATS_TIMEOUT_S)
         usable = sum(stats.get(k, 0) for k in ("free", "leased", "resetting"))
         text = ", ".join(f"{stats.get(k, 0)} {k}" for k in ("free", "leased", "resetting",
@@ -645,6 +649,8 @@ class AgentCoordinator:
         runners = [r for r in self._runners if r.alive]
 
         async def one(target: Any, method: str) -> Any:
+            if target is None:  # no desktop pool: a run of text tasks
+                return None
             try:
                 return await asyncio.wait_for(call(target, method), _STATS_TIMEOUT_S)
             except Exception:  # a dying actor simply gives no statistics

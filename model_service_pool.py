@@ -81,6 +81,7 @@ class Generation:
     token_ids: list[int] | None = None
     prompt_token_ids: list[int] | None = None
     logprobs: list[float] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # the reply's tool calls, as on the wire
 
 
 @dataclass
@@ -276,11 +277,15 @@ class ModelServicePool:
         *,
         regex: str | None = None,
         least_tokens: tuple[int, str] | None = None,
+        tools: list[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
     ) -> Generation:
         """One chat completion. Transient failures are retried on another endpoint with
         capped, fully jittered backoff; a 4xx raises ``ModelRequestError`` at once.
 
         ``regex``: the reply must match it whole (vLLM's structured outputs).
+        ``tools`` / ``tool_choice``: OpenAI function tools the model may call (the reply's
+        calls are ``Generation.tool_calls``).
         ``least_tokens``: (tokens the request needs at least, what they are): when that is
         more than the chosen endpoint's context, ``ContextTooShort`` is raised instead of
         sending a request the server would refuse.
@@ -290,7 +295,7 @@ class ModelServicePool:
         ``wait_until_live`` instead of counting it against the episode."""
         await self._watch_state_url()
         body = chat_request_body(self.cfg.name, messages, sampling or self.cfg.sampling,
-                                 regex)
+                                 regex, tools=tools, tool_choice=tool_choice)
         content = RequestBody(body)  # serialised once, whatever the retries
         self.requests += 1
         tried: set[str] = set()
@@ -547,6 +552,7 @@ class ModelServicePool:
                 token_ids=reply.token_ids,
                 prompt_token_ids=reply.prompt_token_ids,
                 logprobs=reply.logprobs,
+                tool_calls=reply.tool_calls,
             )
         finally:
             endpoint.outstanding -= 1

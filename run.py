@@ -39,6 +39,7 @@ from rollout.fleet.state import ENDPOINTS_FILE
 from rollout.http import error_text, is_loopback, redact_url, redact_urls
 from rollout.layout import RUN_LOCK_FILE
 from rollout.progress import Progress
+from rollout.text.envs import check_text_modes
 from task_loader import TaskLoader
 
 __all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
@@ -108,19 +109,32 @@ def _start_ray(cfg: Config) -> bool:
 def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
     """Serve the scripted policy from this process; returns its URL."""
     from rollout.http import ThreadedServer
-    from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
+    from rollout.scripted_policy import (
+        ScriptedPolicy,
+        create_app,
+        load_solutions,
+        load_text_solutions,
+    )
+    from task_loader import load_benchmark
 
-    source = Path(cfg.tasks.source) if cfg.tasks.source else None
-    roots = [source if source is None or source.is_dir() else source.parent]
-    if cfg.tasks.examples_dir is not None:
-        roots.append(Path(cfg.tasks.examples_dir))
-    solutions = load_solutions([r for r in roots if r is not None])
-    if not solutions:
-        raise FatalSetupError("model.scripted is set but no task under "
-                              f"{', '.join(map(str, roots))} has a reference_solution")
+    roots: list[Path] = []
+    if cfg.tasks.needs_desktops:
+        source = Path(cfg.tasks.source)  # type: ignore[arg-type]
+        roots.append(source if source.is_dir() else source.parent)
+        if cfg.tasks.examples_dir is not None:
+            roots.append(Path(cfg.tasks.examples_dir))
+    solutions = load_solutions(roots)
+    items = [(task["question"], task["metadata"], f"{bench.source}: item {task['id']}")
+             for bench in cfg.tasks.text_benchmarks() for task in load_benchmark(bench)[0]]
+    text_solutions = load_text_solutions(items)
+    if not solutions and not text_solutions:
+        where = [*map(str, roots), *(str(b.source) for b in cfg.tasks.text_benchmarks())]
+        raise FatalSetupError("model.scripted is set but no task of "
+                              f"{', '.join(where)} has a reference_solution")
     policy = ScriptedPolicy(solutions, error_rate=cfg.model.scripted_error_rate,
                             seed=cfg.run.seed,
-                            screen=(cfg.desktops.screen_width, cfg.desktops.screen_height))
+                            screen=(cfg.desktops.screen_width, cfg.desktops.screen_height),
+                            text_solutions=text_solutions)
     host = "127.0.0.1"
     if cfg.ray.address is not None:
         import ray
@@ -249,7 +263,16 @@ def _absolute_paths(cfg: Config) -> Config:
         "osworld_python": _resolved(cfg.evaluation.osworld_python),
         "osworld_path": _resolved(cfg.evaluation.osworld_path),
     })
-    return cfg.model_copy(update={"desktops": desktops, "evaluation": evaluation})
+    text = cfg.text.model_copy(update={
+        "rag": cfg.text.rag.model_copy(update={"corpus": _resolved(cfg.text.rag.corpus),
+                                               "cache_dir": _resolved(cfg.text.rag.cache_dir)}),
+        "web": cfg.text.web.model_copy(update={
+            "serve_corpus": _resolved(cfg.text.web.serve_corpus)}),
+        "py": cfg.text.py.model_copy(update={
+            "scratch_root": _resolved(cfg.text.py.scratch_root)}),
+    })
+    return cfg.model_copy(update={"desktops": desktops, "evaluation": evaluation,
+                                  "text": text})
 
 
 def _resolved(path: Path | None) -> Path | None:
@@ -356,14 +379,18 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     ).remote(str(run_dir), cfg.storage)
     # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
     # earlier run of the same name not yet collected) gets a suffix the tool also finds.
-    name = pool_actor_name(cfg.run.name)
-    pool_options = dict(num_cpus=0, max_concurrency=concurrency,
-                        scheduling_strategy=desktops_node)
-    try:
-        pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(cfg.desktops)
-    except ValueError:  # ray.exceptions.ActorAlreadyExistsError
-        pool = ray.remote(DesktopPool).options(
-            name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
+    # A run of text tasks only (math, py, rag, web) starts no desktops.
+    pool = None
+    if cfg.tasks.needs_desktops:
+        name = pool_actor_name(cfg.run.name)
+        pool_options = dict(num_cpus=0, max_concurrency=concurrency,
+                            scheduling_strategy=desktops_node)
+        try:
+            pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(
+                cfg.desktops)
+        except ValueError:  # ray.exceptions.ActorAlreadyExistsError
+            pool = ray.remote(DesktopPool).options(
+                name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
     # Everything starts at once (start-up time): the storage opens the run directory, the
     # pool starts its desktops, the coordinator its runners (their worker processes and
     # imports), none waiting for another; nothing is submitted before all three are up.
@@ -374,20 +401,21 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     started = time.monotonic()
     run_started = storage.start_run.remote(run_info,
                                            rerun_infra_errors=cfg.tasks.rerun_infra_errors)
-    desktops_started = pool.start.remote()
+    desktops_started = pool.start.remote() if pool is not None else None
     runners_started = coordinator.start.remote(prestart=True)
     try:
         repaired = ray.get(run_started, timeout=_CALL_TIMEOUT_S)
     except Exception as exc:
         stop_actors(actors, "failed", None)
         raise FatalSetupError(f"the run's storage did not start: {_cause(exc)}") from exc
-    try:
-        pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
-                             + cfg.desktops.local.start_timeout_s * 2)
-    except Exception as exc:
-        stop_actors(actors, "failed", None)
-        raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
-    log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
+    if desktops_started is not None:
+        try:
+            pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
+                                 + cfg.desktops.local.start_timeout_s * 2)
+        except Exception as exc:
+            stop_actors(actors, "failed", None)
+            raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
+        log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
     ray.get(runners_started, timeout=_CALL_TIMEOUT_S)
     return actors, repaired
 
@@ -427,14 +455,16 @@ def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> 
     steps: list[tuple[str, Any, float]] = []
     if actors.coordinator is not None:
         steps.append(("stopping the runners", actors.coordinator.shutdown, _CALL_TIMEOUT_S))
-    steps.append(("stopping the desktops", actors.pool.stop, _CALL_TIMEOUT_S + 60))
+    if actors.pool is not None:
+        steps.append(("stopping the desktops", actors.pool.stop, _CALL_TIMEOUT_S + 60))
     for what, method, timeout_s in steps:
         try:
             ray.get(method.remote(), timeout=timeout_s)
         except Exception as exc:  # the run's files must still be closed
             log.error("%s failed: %s", what, _cause(exc))
-    with contextlib.suppress(Exception):  # its desktops are stopped: free its name now
-        ray.kill(actors.pool, no_restart=True)
+    if actors.pool is not None:
+        with contextlib.suppress(Exception):  # its desktops are stopped: free its name now
+            ray.kill(actors.pool, no_restart=True)
     try:
         ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
         ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)
@@ -464,6 +494,7 @@ def run(cfg: Config) -> int:
         # What can be checked without Ray fails first: the task source, the tracker, the
         # model endpoints.
         TaskLoader(cfg.tasks, run_dir)
+        check_text_modes(cfg)
         tracker_uri = _tracker_uri(cfg)
         model_state_dir = None
         pool = None
@@ -479,6 +510,8 @@ def run(cfg: Config) -> int:
         if pool is not None:
             pool.wait_ready()
             cfg, model_state_dir = _published_endpoints(cfg)
+        if cfg.text.web.serve_corpus is not None and _uses_mode(cfg, "web"):
+            cfg = _serve_web_corpus(cfg, stack)
         if cfg.model.scripted:
             url = _scripted_endpoint(cfg, stack)
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
@@ -513,6 +546,21 @@ def run(cfg: Config) -> int:
         raise FatalSetupError(f"the run stopped: {fatal}; finished episodes are saved, "
                               "rerun the same command to resume")
     return EXIT_OK if status == "finished" else EXIT_INTERRUPTED
+
+
+def _uses_mode(cfg: Config, mode: str) -> bool:
+    return any(b.mode == mode for b in cfg.tasks.text_benchmarks())
+
+
+def _serve_web_corpus(cfg: Config, stack: ExitStack) -> Config:
+    """Serve ``text.web.serve_corpus`` on loopback for the run (search and pages over real
+    HTTP, as a search API and the web would be) and point the web tools at it."""
+    from rollout.text.web_corpus import WebCorpusServer
+
+    server = stack.enter_context(WebCorpusServer(cfg.text.web.serve_corpus))
+    log.info("serving the web corpus %s at %s", cfg.text.web.serve_corpus, server.url)
+    web = cfg.text.web.model_copy(update={"search_url": server.url})
+    return cfg.model_copy(update={"text": cfg.text.model_copy(update={"web": web})})
 
 
 def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _Interrupts

@@ -22,8 +22,8 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from config import LEASE_MARGIN_S, Config, DesktopsConfig, RunnerConfig
-from env_k8s import DONE, FAIL, WAIT, DesktopEnv, Lease, RemoteDesktopEnv
+from config import LEASE_MARGIN_S, Config, DesktopsConfig, RunnerConfig, SamplingConfig
+from env_k8s import DONE, FAIL, WAIT, DesktopEnv, Lease, RemoteDesktopEnv, StepResult
 from model_service_pool import Generation, ModelServicePool
 from prompts import Turn, build_messages
 from rollout.aio import TaskSet, call
@@ -31,6 +31,7 @@ from rollout.errors import (
     ActionParseError,
     DesktopError,
     DesktopUnavailable,
+    EvaluationError,
     ModelRequestError,
     ModelUnavailable,
     RolloutError,
@@ -42,7 +43,27 @@ from rollout.evaluation import Evaluator
 from rollout.layout import screenshot_name
 from rollout.monitoring import Metrics
 from rollout.screenshot import Screenshot
-from rollout.trajectory import ScreenshotFiles, discarded_generation, image_spans, step_record
+from rollout.text.agent import (
+    ANSWER_TOOL,
+    SYSTEM_PROMPTS,
+    TOOL_MALFORMED,
+    TOOL_OVER_LIMIT,
+    AgentCounts,
+    assistant_message,
+    first_messages,
+    read_reply,
+    tool_message,
+)
+from rollout.text.benchmark import is_text_task, task_metric
+from rollout.text.metrics import JudgeError, judge, score
+from rollout.trajectory import (
+    ScreenshotFiles,
+    discarded_generation,
+    image_spans,
+    step_record,
+    text_step_record,
+    tool_call_record,
+)
 from rollout.types import (
     SUCCESS_REWARD,
     EpisodeResult,
@@ -72,6 +93,10 @@ log = logging.getLogger(__name__)
 _ACTOR_CALL_TIMEOUT_S = 60.0
 # Finished episodes whose results a runner keeps for a coordinator that lost its call.
 _RECENT_RESULTS = 1024
+# Of a text episode's final answer, what its results.jsonl line keeps (traj.jsonl has it all).
+_ANSWER_RECORD_CHARS = 2000
+# The judge's sampling when llm_judgement asks the run's own model (text.judge unset).
+_JUDGE_SAMPLING = SamplingConfig(temperature=0.0, top_p=1.0, max_tokens=256)
 
 
 def episode_deadline_s(cfg: Config) -> float:
@@ -166,7 +191,9 @@ class _EpisodeEnded(Exception):
 
 
 class _Episode:
-    """The state of one running episode."""
+    """The state of one running episode on a desktop."""
+
+    uses_desktop = True  # leases a desktop (a text episode does not)
 
     def __init__(self, runner: TrajectoryRunner, spec: EpisodeSpec, avoid: list[str]) -> None:
         self.r = runner
@@ -187,7 +214,9 @@ class _Episode:
         self.model_version: str | None = None   # of the last generation
         self.model_versions: list[str] = []     # every version a generation came from, in order
         self.desktop: str | None = None
-        self.env: DesktopEnv | None = None
+        self.lease: Lease | None = None
+        self.begun = False  # the episode's directory exists (its files are written at the end)
+        self.env: Any = None
         self.timing = {"model_s": 0.0, "env_s": 0.0, "overhead_s": 0.0, "reset_s": 0.0,
                        "evaluation_s": 0.0, "lease_wait_s": 0.0, "outage_wait_s": 0.0}
         self.last_messages: list[dict[str, Any]] | None = None
@@ -207,15 +236,9 @@ class _Episode:
     async def run(self) -> EpisodeResult:
         cfg = self.cfg
         status, error, retryable, reward = Status.FAILURE, None, False, None
-        lease = None
         healthy = True
         try:
-            waited = time.monotonic()
-            lease = await self._lease()
-            self.timing["lease_wait_s"] = time.monotonic() - waited
-            self._enter("other")
-            self.desktop = lease.desktop_id
-            env = self.env = self.r.env_factory(lease, cfg.desktops)
+            env = await self._open()
             await within(self.writer.begin(self.task), _ACTOR_CALL_TIMEOUT_S,
                          "the storage (begin)")
             try:
@@ -240,7 +263,7 @@ class _Episode:
             healthy, self.fatal = ended.healthy, ended.fatal
         except asyncio.CancelledError:
             status, error = Status.CANCELLED, "cancelled"
-            self._finish_in_background(lease, True, status, error, None)
+            self._finish_in_background(self.lease, True, status, error, None)
             raise
         except Exception as exc:
             if not isinstance(exc, RolloutError):
@@ -252,12 +275,23 @@ class _Episode:
         # A cancel arriving while the episode is being finished must not cut its writes or
         # the desktop's release short: the finish completes in the background.
         finish = asyncio.ensure_future(
-            self._finish(lease, healthy, status, error, retryable, reward))
+            self._finish(self.lease, healthy, status, error, retryable, reward))
         try:
             return await asyncio.shield(finish)
         except asyncio.CancelledError:
             self.r.background.add(finish)
             raise
+
+    async def _open(self) -> Any:
+        """The episode's environment: a leased desktop's (its directory begins here)."""
+        waited = time.monotonic()
+        self.lease = await self._lease()
+        self.timing["lease_wait_s"] = time.monotonic() - waited
+        self._enter("other")
+        self.desktop = self.lease.desktop_id
+        self.begun = True
+        env = self.env = self.r.env_factory(self.lease, self.cfg.desktops)
+        return env
 
     async def _lease(self) -> Lease:
         """A desktop for this attempt. The pool's own deadline is the lease timeout; a pool
@@ -429,21 +463,9 @@ class _Episode:
         sampling = model.sampling
         discarded: list[dict[str, Any]] = []
         for retry in range(cfg.runner.max_parse_retries + 1):
-            while True:
-                t0 = time.monotonic()
-                try:
-                    generation = await self.r.model.generate(
-                        messages, self.session_id, regex=regex, least_tokens=least_tokens)
-                    break
-                except ModelUnavailable as exc:
-                    if exc.outage is None:
-                        raise
-                    await self._wait_out_model_outage(exc)
-                finally:
-                    model_s += time.monotonic() - t0
-            if generation.endpoint not in self.endpoints:
-                self.endpoints.append(generation.endpoint)
-            self._saw_version(generation.model_version)
+            generation, asked_s = await self._ask_model(messages, regex=regex,
+                                                        least_tokens=least_tokens)
+            model_s += asked_s
             try:
                 parsed = parse_response(generation.text, width, height, model.family, **pixels)
                 if not parsed.actions:
@@ -458,6 +480,25 @@ class _Episode:
                         generation, str(exc), token_ids=sampling.return_token_ids,
                         logprobs=sampling.logprobs))
         return generation, None, discarded, model_s
+
+    async def _ask_model(self, messages: list[dict[str, Any]], **options: Any
+                         ) -> tuple[Generation, float]:
+        """One generation (``options``: those of ``ModelServicePool.generate``), an outage of
+        the model side waited out (``_wait_out_model_outage``); the reply and the seconds
+        spent asking, the wait included."""
+        started = time.monotonic()
+        while True:
+            try:
+                generation = await self.r.model.generate(messages, self.session_id, **options)
+                break
+            except ModelUnavailable as exc:
+                if exc.outage is None:
+                    raise
+                await self._wait_out_model_outage(exc)
+        if generation.endpoint not in self.endpoints:
+            self.endpoints.append(generation.endpoint)
+        self._saw_version(generation.model_version)
+        return generation, time.monotonic() - started
 
     async def _wait_out_model_outage(self, exc: ModelUnavailable) -> None:
         """No model endpoint is live: wait for one with the episode's deadline stopped (an
@@ -548,7 +589,9 @@ class _Episode:
         self.r.model.end_session(self.session_id)
         self._enter(None)
         try:
-            if lease is not None:
+            if not self.uses_desktop:
+                pass
+            elif lease is not None:
                 await within(call(self.r.desktop_pool, "release", lease.lease_id, healthy),
                              _ACTOR_CALL_TIMEOUT_S, "the desktop pool (release)")
             else:
@@ -560,7 +603,7 @@ class _Episode:
         except Exception as exc:  # the pool reclaims the lease at lease_max_s at the latest
             log.error("episode %s: returning its desktop failed: %s", self.spec.episode_id, exc)
         try:
-            if self.desktop is not None:  # the episode's directory exists
+            if self.begun:  # the episode's directory exists
                 # The held line (the last finished step) and a step cut short by a deadline
                 # or a cancel; the last of them carries the reward and done=true.
                 lines = [r for r in (self.held_record, self.pending_record) if r is not None]
@@ -601,6 +644,141 @@ class _Episode:
         self.r.background.spawn(self._finish(lease, healthy, status, error, False, reward))
 
 
+class _TextEpisode(_Episode):
+    """A text episode (math, py, rag, web): no desktop; a text environment's tools in its
+    place (``rollout.text.envs``), a tool-calling conversation of up to ``text.max_turns``
+    replies (``rollout.text.agent``), scored by the item's answer metric. Everything else
+    (storage, deadlines, model outages, retries, results) is the desktop episode's."""
+
+    uses_desktop = False
+
+    def __init__(self, runner: TrajectoryRunner, spec: EpisodeSpec, avoid: list[str]) -> None:
+        super().__init__(runner, spec, avoid)
+        self.counts = AgentCounts()
+        self.answer: str | None = None
+        self.turns = 0
+
+    def _enter(self, phase: str | None) -> None:
+        pass  # the utilization clocks count desktops' time; a text episode holds none
+
+    async def _open(self) -> Any:
+        self.begun = True
+        # In a thread: the first rag episode of a process builds (or loads) the index.
+        env = self.env = await asyncio.to_thread(self.r.text_env, self.task, self.session_id)
+        return env
+
+    async def _act(self, env: Any) -> str:
+        text_cfg = self.cfg.text
+        t0 = time.monotonic()
+        question = await env.reset(self.task)
+        self.timing["reset_s"] = time.monotonic() - t0
+        self.reset_done = True
+        tools = [spec.openai() for spec in env.tools]
+        if text_cfg.final_answer_tool:
+            tools.append(ANSWER_TOOL.openai())
+        prompt = text_cfg.system_prompt or SYSTEM_PROMPTS[env.mode]
+        messages = first_messages(question, prompt)
+        self.last_messages = messages
+        for turn in range(1, text_cfg.max_turns + 1):
+            if await self._turn(env, turn, messages, tools):
+                return Status.FAILURE  # answered: scored next
+        return Status.MAX_STEPS
+
+    async def _turn(self, env: Any, turn: int, messages: list[dict[str, Any]],
+                    tools: list[dict[str, Any]]) -> bool:
+        """One reply and the calls it makes; True when it ends the episode."""
+        text_cfg = self.cfg.text
+        step_started = time.monotonic()
+        wall_started = time.time()
+        generation, model_s = await self._ask_model(
+            messages, tools=tools or None, tool_choice=text_cfg.tool_choice if tools else None)
+        sampling = self.cfg.model.sampling
+        record = text_step_record(turn, generation, token_ids=sampling.return_token_ids,
+                                  logprobs=sampling.logprobs)
+        reply = read_reply(generation.text, generation.tool_calls,
+                           answer_tool=text_cfg.final_answer_tool)
+        self.steps = self.turns = turn
+        self.pending_record = record
+        env_started = time.monotonic()
+        ended = not reply.calls and reply.answer_problem is None
+        if ended:
+            self.answer = reply.answer
+            # The conversation on disk (messages.json) ends with the answering reply.
+            messages.append(assistant_message(generation.text, [reply.answer_call]
+                                              if reply.answer_call is not None else []))
+            self.last_action = "answer"
+            record["action"] = "answer"
+            record["answer"] = reply.answer
+        else:
+            limit = text_cfg.max_tool_calls_per_turn
+            run, over = reply.calls[:limit], reply.calls[limit:]
+            ran = await asyncio.gather(*(env.step(c) for c in run))
+            results: dict[str, StepResult] = {c.id: r for c, r in zip(run, ran, strict=True)}
+            skipped = (f"error: not run: a reply may make at most {limit} tool calls "
+                       f"(text.max_tool_calls_per_turn)")
+            for call in over:
+                results[call.id] = StepResult(call.name, TOOL_OVER_LIMIT, skipped, skipped)
+            if reply.answer_call is not None and reply.answer_problem is not None:
+                text = f"error: {reply.answer_problem}"
+                results[reply.answer_call.id] = StepResult(reply.answer_call.name,
+                                                           TOOL_MALFORMED, text, text)
+            # Answered in the order the model made the calls.
+            answered = [c for c in reply.all_calls if c.id in results]
+            messages.append(assistant_message(generation.text, answered))
+            record["tool_calls"] = []
+            for call in answered:
+                result = results[call.id]
+                messages.append(tool_message(call, result.output))
+                self.counts.count(call.name, result)
+                record["tool_calls"].append(tool_call_record(call, result))
+            record["action"] = ",".join(c.name for c in answered)
+            self.last_action = record["action"]
+        env_s = time.monotonic() - env_started
+        split = {"action_s": env_s, "pause_s": 0.0, "screenshot_s": 0.0}
+        self._time_step(record, model_s, env_s, time.monotonic() - step_started, split,
+                        wall_started)
+        record["done"] = ended
+        previous, self.held_record, self.pending_record = self.held_record, record, None
+        if previous is not None:
+            await self.writer.step(previous)
+        return ended
+
+    async def _evaluate(self, env: Any) -> float:
+        t0 = time.monotonic()
+        metric, variant, tolerance = task_metric(self.task)
+        try:
+            async with asyncio.timeout(self.cfg.runner.evaluation_timeout_s):
+                if metric == "llm_judgement":
+                    reward = await judge(self.answer, self.task["answer"],
+                                         str(self.task.get("question", "")),
+                                         ask=self.r.judge_ask, variant=variant)
+                else:  # CPU-bound (similarity of long texts): off the loop
+                    reward = await asyncio.to_thread(score, metric, self.answer,
+                                                     self.task["answer"], variant=variant,
+                                                     tolerance=tolerance)
+        except TimeoutError:
+            raise _EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
+                                f"{self.cfg.runner.evaluation_timeout_s:.0f}s",
+                                retryable=True) from None
+        except JudgeError as exc:
+            raise EvaluationError(f"llm_judgement: {exc}") from exc
+        finally:
+            self.timing["evaluation_s"] = time.monotonic() - t0
+        return min(1.0, max(0.0, float(reward)))
+
+    def result(self, status: str, error: str | None, retryable: bool,
+               reward: float | None) -> EpisodeResult:
+        out = super().result(status, error, retryable, reward)
+        metric, variant, _ = task_metric(self.task)
+        answer = self.answer
+        if answer is not None and len(answer) > _ANSWER_RECORD_CHARS:
+            answer = answer[:_ANSWER_RECORD_CHARS] + "…"
+        out.text = {"mode": self.task.get("mode"), "benchmark": self.task.get("benchmark"),
+                    "metric": metric, "variant": variant, "answer": answer,
+                    "turns": self.turns, **self.counts.record()}
+        return out
+
+
 class TrajectoryRunner:
     """Runs episodes concurrently; the coordinator gives it at most ``episodes_per_runner``
     at a time. One model client per runner process, opened on the actor's loop.
@@ -616,6 +794,7 @@ class TrajectoryRunner:
         model_state_dir: str | None = None,
         *,
         env_factory: EnvFactory = open_leased_desktop,
+        text_env_factory: Callable[[dict[str, Any], str], Any] | None = None,
     ) -> None:
         self.cfg = cfg
         self.desktop_pool = desktop_pool
@@ -623,8 +802,10 @@ class TrajectoryRunner:
         self.runner_id = runner_id
         self.model_state_dir = model_state_dir
         self.env_factory = env_factory
+        self.text_env_factory = text_env_factory
         self.node_id = _node_id()
         self._model: ModelServicePool | None = None
+        self._judge: ModelServicePool | None = None
         self._evaluator: Evaluator | None = None
         self._metrics: Metrics | None = None
         self._episodes: dict[str, asyncio.Task[EpisodeResult]] = {}
@@ -642,6 +823,26 @@ class TrajectoryRunner:
             state = Path(self.model_state_dir) if self.model_state_dir else None
             self._model = ModelServicePool(self.cfg.model, state)
         return self._model
+
+    def text_env(self, task: dict[str, Any], name: str) -> Any:
+        """A text task's environment (``rollout.text.envs``): its mode's tools."""
+        if self.text_env_factory is not None:
+            return self.text_env_factory(task, name)
+        from rollout.text.envs import make_text_env
+
+        return make_text_env(str(task["mode"]), self.cfg.text, name=name)
+
+    async def judge_ask(self, messages: list[dict[str, Any]]) -> str:
+        """llm_judgement's question to the judge: ``text.judge``'s endpoints and model, or
+        the run's model (deterministic, a short reply) when it is unset."""
+        judge_cfg = self.cfg.text.judge
+        if judge_cfg is None:
+            generation = await self.model.generate(messages, None, _JUDGE_SAMPLING)
+        else:
+            if self._judge is None:
+                self._judge = ModelServicePool(judge_cfg, None)
+            generation = await self._judge.generate(messages, None)
+        return generation.text
 
     @property
     def evaluator(self) -> Evaluator:
@@ -665,7 +866,8 @@ class TrajectoryRunner:
         """Run one episode to its end; never raises for the episode's own failures. A
         watchdog ends an episode that outlives every deadline it has (``episode_deadline_s``)
         as a retryable infra error on a desktop that must be checked."""
-        episode = _Episode(self, spec, list(avoid or []))
+        kind = _TextEpisode if is_text_task(spec.task) else _Episode
+        episode = kind(self, spec, list(avoid or []))
         task = asyncio.create_task(episode.run())
         self._episodes[spec.episode_id] = task
         try:
@@ -736,9 +938,10 @@ class TrajectoryRunner:
     async def close(self) -> None:
         await self.cancel()
         await self.background.wait()
-        if self._model is not None:
-            await self._model.close()
-            self._model = None
+        for pool in (self._model, self._judge):
+            if pool is not None:
+                await pool.close()
+        self._model = self._judge = None
         if self._evaluator is not None:
             await self._evaluator.close()
             self._evaluator = None

@@ -26,10 +26,12 @@ __all__ = [
     "Choice",
     "ChoiceLogprobs",
     "ErrorReply",
+    "FunctionCall",
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",
     "TokenLogprob",
+    "ToolCallWire",
     "Usage",
     "chat_request_body",
     "completion_body",
@@ -71,16 +73,21 @@ class ChatRequest(_Wire):
     logprobs: bool | None = None
     return_token_ids: bool | None = None  # vLLM: prompt and completion token ids in the reply
     structured_outputs: dict[str, Any] | None = None  # vLLM: {"regex": ...} constrains replies
+    tools: list[dict[str, Any]] | None = None  # OpenAI function tools
+    tool_choice: str | dict[str, Any] | None = None  # "auto", "required", "none" or a named one
 
 
 def chat_request_body(
     model: str, messages: list[dict[str, Any]], sampling: SamplingConfig,
-    regex: str | None = None,
+    regex: str | None = None, *, tools: list[dict[str, Any]] | None = None,
+    tool_choice: str | dict[str, Any] | None = None,
 ) -> dict[str, Any]:
     """What the client sends: a plain dict (not a ``ChatRequest``), so the messages'
     screenshot data URLs are neither validated nor copied on the client's hot path. The
     optional fields are sent only when they ask for something; ``regex`` constrains the
-    reply to match it whole (vLLM's structured outputs)."""
+    reply to match it whole (vLLM's structured outputs); ``tools`` (OpenAI function tools)
+    with ``tool_choice`` lets the model call them (``required``: vLLM forces a valid call
+    with structured outputs)."""
     body: dict[str, Any] = {
         "model": model,
         "messages": messages,
@@ -97,6 +104,10 @@ def chat_request_body(
         body["return_token_ids"] = True
     if regex is not None:
         body["structured_outputs"] = {"regex": regex}
+    if tools:
+        body["tools"] = tools
+        if tool_choice is not None:
+            body["tool_choice"] = tool_choice
     return body
 
 
@@ -111,9 +122,23 @@ def parse_chat_request(body: Any) -> ChatRequest:
 # --------------------------------------------------------------------------- reply
 
 
+class FunctionCall(_Wire):
+    name: str = ""
+    arguments: str = ""  # JSON text, as the model wrote it (it may not parse)
+
+
+class ToolCallWire(_Wire):
+    """One tool call of a reply (``message.tool_calls[i]``)."""
+
+    id: str = ""
+    type: str = "function"
+    function: FunctionCall = FunctionCall()
+
+
 class ChatMessage(_Wire):
     role: str = "assistant"
     content: str | None = None
+    tool_calls: list[ToolCallWire] | None = None
 
 
 class TokenLogprob(_Wire):
@@ -173,18 +198,25 @@ class ChatCompletion(_Wire):
         token_ids: list[int] | None = None,
         prompt_token_ids: list[int] | None = None,
         cached_tokens: int | None = None,
+        tool_calls: Sequence[tuple[str, str]] | None = None,
     ) -> ChatCompletion:
         """A server's completion with one choice holding ``text``; ``logprobs`` is (token,
-        logprob) per completion token, ``cached_tokens`` the prompt's prefix-cache hits."""
+        logprob) per completion token, ``cached_tokens`` the prompt's prefix-cache hits,
+        ``tool_calls`` (name, arguments JSON text) the calls the reply makes (their ids are
+        made here; the finish reason becomes ``tool_calls``)."""
         usage = Usage(
             prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
             prompt_tokens_details=None if cached_tokens is None
             else PromptTokensDetails(cached_tokens=cached_tokens),
         )
+        calls = None if not tool_calls else [
+            ToolCallWire(id=f"call_{uuid.uuid4().hex[:24]}",
+                         function=FunctionCall(name=name, arguments=arguments))
+            for name, arguments in tool_calls]
         choice = Choice(
-            index=0, message=ChatMessage(role="assistant", content=text),
-            finish_reason=finish_reason, token_ids=token_ids,
+            index=0, message=ChatMessage(role="assistant", content=text, tool_calls=calls),
+            finish_reason="tool_calls" if calls else finish_reason, token_ids=token_ids,
             logprobs=None if logprobs is None else ChoiceLogprobs(
                 content=[TokenLogprob(token=t, logprob=lp) for t, lp in logprobs]
             ),
@@ -208,6 +240,9 @@ class ChatReply:
     token_ids: list[int] | None
     prompt_token_ids: list[int] | None
     logprobs: list[float] | None
+    # The reply's tool calls as the wire has them ({"id", "type", "function": {"name",
+    # "arguments"}}), None when it makes none.
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 def parse_chat_completion(body: bytes | str | Mapping[str, Any]) -> ChatReply:
@@ -235,6 +270,8 @@ def parse_chat_completion(body: bytes | str | Mapping[str, Any]) -> ChatReply:
         token_ids=choice.token_ids,
         prompt_token_ids=completion.prompt_token_ids,
         logprobs=logprobs,
+        tool_calls=None if not choice.message.tool_calls else [
+            call.model_dump() for call in choice.message.tool_calls],
     )
 
 

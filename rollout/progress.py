@@ -41,9 +41,9 @@ class Progress:
         desktops = stats.get("desktops") or {}
         info = (f"success {'-' if rate is None else f'{rate:.0%}'}  "
                 f"steps/s {stats.get('steps_per_s', 0):.2f}  "
-                f"desktops busy {desktops.get('leased', 0)}/"
-                f"{sum(desktops.values()) if desktops else 0}  "
-                f"model in-flight {stats.get('model_in_flight', 0)}  "
+                + (f"desktops busy {desktops.get('leased', 0)}/{sum(desktops.values())}  "
+                   if desktops else "")
+                + f"model in-flight {stats.get('model_in_flight', 0)}  "
                 f"running {stats.get('episodes_in_flight', 0)}"
                 + _utilization(stats)
                 + (f"  retries {stats['retries']}" if stats.get("retries") else "")

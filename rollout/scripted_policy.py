@@ -2,6 +2,14 @@
 it replays each task's ``reference_solution`` (task from the prompt's instruction, step from
 the assistant turns), ``error_rate`` adding wrong clicks and early ``finished``. No weights.
 
+Text benchmarks replay too: an item's ``metadata.reference_solution`` is a list of turns,
+each a tool call ``{"tool": name, "arguments": {...}}``, a list of them (parallel calls), or
+the final reply (a string, or ``{"answer": ...}``: a call of the ``answer`` tool); in an
+argument, ``{{url:N}}`` stands for the N-th URL of the last tool results. The item
+is found by its question (the conversation's first user message). As a judge
+(``llm_judgement``), it says Correct when the answer contains a reference answer
+(``contains_answer``, normalized).
+
     python -m rollout.scripted_policy --tasks tasks/demo --port 8199 [--error-rate 0.1]
 """
 
@@ -11,6 +19,7 @@ import argparse
 import asyncio
 import json
 import random
+import re
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -31,9 +40,11 @@ from rollout.openai_protocol import (
     parse_chat_request,
 )
 from rollout.server_metrics import vllm_metrics_text
+from rollout.text.metrics import JUDGE_SYSTEM_PROMPT, score
 from ui_tars_utils import screen_to_model
 
-__all__ = ["MODEL_NAME", "ScriptedPolicy", "create_app", "load_solutions", "main"]
+__all__ = ["MODEL_NAME", "ScriptedPolicy", "TextTurn", "create_app", "load_solutions",
+           "load_text_solutions", "main"]
 
 MODEL_NAME = "scripted-ui-tars"
 _INSTRUCTION_HEADER = "## User Instruction\n"
@@ -59,6 +70,45 @@ def load_solutions(roots: Iterable[Path]) -> dict[str, list[str]]:
     return solutions
 
 
+# One scripted turn of a text episode: (text, [(tool, arguments JSON)]) — no calls: final.
+TextTurn = tuple[str, list[tuple[str, str]]]
+
+
+def _text_turn(turn: Any, where: str) -> TextTurn:
+    if isinstance(turn, str):
+        return turn, []
+    if isinstance(turn, dict) and set(turn) == {"answer"}:
+        return "", [("answer", json.dumps({"answer": str(turn["answer"])}))]
+    calls = turn if isinstance(turn, list) else [turn]
+    out = []
+    for call in calls:
+        if not (isinstance(call, dict) and isinstance(call.get("tool"), str)):
+            raise ConfigError(f"{where}: a turn is a string, {{\"answer\": ...}}, or tool "
+                              f"calls {{\"tool\": name, \"arguments\": {{...}}}}; got {call!r:.80}")
+        arguments = call.get("arguments", {})
+        out.append((call["tool"], arguments if isinstance(arguments, str)
+                    else json.dumps(arguments)))
+    return "", out
+
+
+def load_text_solutions(items: Iterable[tuple[str, Any, str]]) -> dict[str, list[TextTurn]]:
+    """question -> scripted turns, from ``(question, metadata, where)`` of benchmark items
+    whose metadata has a ``reference_solution``."""
+    solutions: dict[str, list[TextTurn]] = {}
+    for question, metadata, where in items:
+        turns = (metadata or {}).get("reference_solution")
+        if not turns:
+            continue
+        if not isinstance(turns, list):
+            raise ConfigError(f"{where}: metadata.reference_solution must be a list of turns")
+        solutions[question.strip()] = [_text_turn(t, where) for t in turns]
+    return solutions
+
+
+_JUDGE_PARTS = re.compile(r"Reference answers?[^\n]*:\n(?P<refs>.*?)\n\nModel's answer:\n"
+                          r"(?P<answer>.*?)\n\nDoes the model's answer", re.DOTALL)
+
+
 class ScriptedPolicy:
     """Chooses the reply for a chat request; pure logic, no HTTP."""
 
@@ -69,15 +119,55 @@ class ScriptedPolicy:
         error_rate: float = 0.0,
         seed: int = 0,
         screen: tuple[int, int] = (1280, 720),
+        text_solutions: dict[str, list[TextTurn]] | None = None,
     ) -> None:
         if not 0.0 <= error_rate <= 1.0:
             raise ValueError("error_rate must be in [0, 1]")
         self.solutions = solutions
+        self.text_solutions = text_solutions or {}
         self.error_rate = error_rate
         self.rng = random.Random(seed)
         self.screen = screen
         self.served = 0
         self.errors_injected = 0
+
+    def respond(self, messages: list[dict[str, Any]]) -> TextTurn:
+        """The reply to a chat request: text and tool calls (name, arguments JSON)."""
+        system = messages[0].get("content") if messages else None
+        if system == JUDGE_SYSTEM_PROMPT:
+            return self._judge(messages), []
+        question = _first_user_text(messages)
+        if _instruction(messages) is None and question is not None and (
+                question.strip() in self.text_solutions or messages[0].get("role") == "system"):
+            return self._text(question.strip(), messages)
+        return self.reply(messages), []
+
+    def _text(self, question: str, messages: list[dict[str, Any]]) -> TextTurn:
+        turns = self.text_solutions.get(question)
+        self.served += 1
+        if turns is None:
+            return "I do not know.", []
+        step = sum(1 for m in messages if m.get("role") == "assistant")
+        if self.error_rate and self.rng.random() < self.error_rate:
+            self.errors_injected += 1
+            return "I am not sure; my guess is 0.", []
+        if step >= len(turns):
+            return "I have no more to add.", []
+        text, calls = turns[step]
+        if any(_URL_REF.search(arguments) for _, arguments in calls):
+            urls = _URL.findall(_last_tool_outputs(messages))
+            calls = [(name, _URL_REF.sub(lambda m: json.dumps(
+                urls[int(m.group(1)) - 1] if int(m.group(1)) <= len(urls) else "")[1:-1],
+                arguments)) for name, arguments in calls]
+        return text, calls
+
+    def _judge(self, messages: list[dict[str, Any]]) -> str:
+        found = _JUDGE_PARTS.search(str(messages[-1].get("content", "")))
+        if found is None:
+            return "Incorrect"
+        refs = [r.removeprefix("- ") for r in found.group("refs").splitlines() if r.strip()]
+        verdict = score("contains_answer", found.group("answer"), refs)
+        return "Correct" if verdict >= 1.0 else "Incorrect"
 
     def reply(self, messages: list[dict[str, Any]]) -> str:
         instruction = _instruction(messages)
@@ -100,6 +190,29 @@ class ScriptedPolicy:
         w, h = self.screen
         x, y = screen_to_model((self.rng.randrange(w), self.rng.randrange(h)), w, h)
         return f"Thought: Let me click here.\nAction: click(start_box='({x},{y})')"
+
+
+# In a scripted call's arguments, {{url:N}}: the N-th URL of the last tool results (what a
+# model reads off a search result list).
+_URL_REF = re.compile(r"\{\{url:(\d+)\}\}")
+_URL = re.compile(r"https?://[^\s\"'<>)\]]+")
+
+
+def _last_tool_outputs(messages: list[dict[str, Any]]) -> str:
+    outputs: list[str] = []
+    for message in reversed(messages):
+        if message.get("role") != "tool":
+            break
+        outputs.append(str(message.get("content", "")))
+    return "\n".join(reversed(outputs))
+
+
+def _first_user_text(messages: list[dict[str, Any]]) -> str | None:
+    for message in messages:
+        if message.get("role") == "user":
+            content = message.get("content")
+            return content if isinstance(content, str) else None
+    return None
 
 
 def _instruction(messages: list[dict[str, Any]]) -> str | None:
@@ -156,14 +269,15 @@ def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
         try:
             if latency_s:
                 await asyncio.sleep(latency_s)
-            text = policy.reply(chat.messages)
+            text, calls = policy.respond(chat.messages)
         finally:
             served["running"] -= 1
+        tokens = len(text.split()) + sum(len(a.split()) + 1 for _, a in calls)
         served["finished"] += 1
-        served["generation"] += len(text.split())
+        served["generation"] += tokens
         served["inference_s"] += time.monotonic() - started
         return completion_body(text, model=model_name, prompt_tokens=0,
-                               completion_tokens=len(text.split()))
+                               completion_tokens=tokens, tool_calls=calls or None)
 
     return app
 

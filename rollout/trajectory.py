@@ -13,7 +13,11 @@ from rollout.screenshot import Screenshot
 from ui_tars_utils import Action, ParsedResponse
 
 __all__ = ["ScreenshotFiles", "action_dict", "discarded_generation", "image_spans",
-           "step_record"]
+           "step_record", "text_step_record", "tool_call_record"]
+
+# Of a tool call's output, what its traj.jsonl line keeps (the model read all of it: the
+# tools cap their own outputs, so this bounds a line, not what the model saw).
+_TOOL_OUTPUT_RECORD_CHARS = 20000
 
 
 def _timestamp() -> str:
@@ -53,6 +57,35 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
         **_generated(generation, token_ids=token_ids, logprobs=logprobs),
     }
     return record
+
+
+def text_step_record(turn: int, generation: Generation, *, token_ids: bool,
+                     logprobs: bool) -> dict[str, Any]:
+    """A text episode's turn as traj.jsonl keeps it: OSWorld's fields (``action`` is the
+    tools called, or ``answer``), the reply's text and tool calls, and what was generated;
+    the loop adds ``tool_calls`` (each call and its result), ``answer``, ``timing``."""
+    return {
+        "step_num": turn,
+        "action_timestamp": _timestamp(),
+        "action": None,
+        "response": generation.text,
+        "reward": 0,
+        "done": False,
+        "info": {},
+        "screenshot_file": None,
+        "response_tool_calls": generation.tool_calls,
+        **_generated(generation, token_ids=token_ids, logprobs=logprobs),
+    }
+
+
+def tool_call_record(call: Any, result: Any) -> dict[str, Any]:
+    """One tool call of a turn and what it returned (``StepResult``)."""
+    output = result.output
+    if len(output) > _TOOL_OUTPUT_RECORD_CHARS:
+        output = output[:_TOOL_OUTPUT_RECORD_CHARS] + "…"
+    return {"id": call.id, "name": call.name, "arguments": call.arguments, "output": output,
+            "returncode": result.returncode, "error": result.error or None,
+            "duration_s": round(result.duration_s, 6)}
 
 
 def _generated(generation: Generation, *, token_ids: bool, logprobs: bool) -> dict[str, Any]:

@@ -114,6 +114,9 @@ class EpisodeResult:
     node: str | None = None
     outage: str | None = None     # "model"/"desktop": that side was down (requeue, no attempt)
     fatal: bool = False           # no retry can fix it: the run stops, the episode is not recorded
+    # A text episode's (math, py, rag, web): mode, benchmark, metric, variant, the final
+    # answer, turns and tool-call counts. None for desktop episodes (left out of record()).
+    text: dict[str, Any] | None = None
 
     @property
     def mixed_versions(self) -> bool:
@@ -127,6 +130,8 @@ class EpisodeResult:
         out["mixed_versions"] = self.mixed_versions
         for scheduling_only in ("retryable", "outage", "fatal"):
             out.pop(scheduling_only)
+        if out["text"] is None:
+            out.pop("text")
         return out
 
 

@@ -19,7 +19,9 @@ a run: ``summarize(run)`` computes it, ``print_table(summary)`` prints it as a t
                                                 only with by_version=True (--by-version):
                                                 episodes under their first version, from
                                                 min_version on; version null: none known
-   "by_pass": [{"pass_index": int, **RATES}, ...]   only with by_pass=True (--by-pass)}
+   "by_pass": [{"pass_index": int, **RATES}, ...]   only with by_pass=True (--by-pass)
+   "text": TEXT | null}                          text benchmarks' scores per benchmark, mode
+                                                and metric (rollout/results/text.py)
 RATES is ``Rates.to_json()`` (rollout/results/rates.py): episode and task counts, k_min and
 k_max, success_rate, avg_at_k, pass_at_k (fractions in [0, 1], null when nothing is
 scored), mean_steps, mean_duration_s, status_counts and mixed_episodes; infra_error and
@@ -35,6 +37,7 @@ from typing import Any
 from rollout.results.cli import STATUS_ABBREV, fmt_float, fmt_rate
 from rollout.results.rates import OSWORLD_GROUPS, compute_rates, group_of, k_label
 from rollout.results.runs import Run
+from rollout.results.text import print_text_table, text_summary
 from rollout.results.versions import by_pass as pass_rows
 from rollout.results.versions import by_version as version_rows
 from rollout.results.versions import describe_selection, selection_json, version_order
@@ -77,6 +80,7 @@ def summarize(run: Run, *, by_version: bool = False, by_pass: bool = False) -> d
             d: compute_rates(e for e in episodes if e.domain == d).to_json() for d in domains
         },
         "groups": groups,
+        "text": text_summary(episodes),
     }
     if by_version:
         min_version = run.selection.min_version if run.selection is not None else None
@@ -103,6 +107,8 @@ def print_table(summary: dict[str, Any]) -> None:
     table.section()
     table.row("all", summary["overall"], style="bold")
     table.print()
+    if summary.get("text"):
+        print_text_table(summary["text"])
 
 
 def print_version_table(summary: dict[str, Any]) -> None:

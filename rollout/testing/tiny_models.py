@@ -25,15 +25,60 @@ from ui_tars_utils import MAX_PIXELS, MIN_PIXELS
 
 __all__ = ["VLM_MAX_POSITIONS", "build_tiny_model", "build_tiny_vlm", "main"]
 
+# Qwen2's chat format. A conversation without tools, tool calls or tool messages renders
+# exactly as it always did. With them it renders as Qwen2.5's hermes-style template does: the
+# tools' JSON schemas in the system message, the assistant's calls after its content as
+# <tool_call>\n{"name": ..., "arguments": ...}\n</tool_call> (what vLLM's hermes tool parser
+# reads and its structural tag makes the model write), tool results as <tool_response> blocks
+# of one user turn. Chat templates are rendered with trim_blocks, so a newline right after a
+# block tag is written as {{ '\n' }}. The loop over message['content'] is what makes vLLM pass
+# content as OpenAI-style parts (images included).
+_TOOLS_HEAD = (
+    "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+)
+_TOOLS_TAIL = (
+    "\n</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call>'
+)
+_TOOLS_LIST = (  # Jinja: the head, each tool's JSON on its own line, the tail
+    "{{ '" + _TOOLS_HEAD + "' }}"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '" + _TOOLS_TAIL + "' }}"
+)
 CHAT_TEMPLATE = (
+    "{% if tools and messages[0]['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant." + _TOOLS_LIST +
+    "<|im_end|>{{ '\\n' }}{% endif %}"
     "{% for message in messages %}"
+    "{% if message['role'] == 'tool' %}"
+    "{% if loop.first or messages[loop.index0 - 1]['role'] != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n<tool_response>\\n' }}"
+    "{% else %}"
     "<|im_start|>{{ message['role'] }}\n"
+    "{% endif %}"
     "{% if message['content'] is string %}{{ message['content'] }}"
     "{% else %}{% for part in message['content'] %}"
     "{% if part['type'] == 'text' %}{{ part['text'] }}"
     "{% elif part['type'] in ('image', 'image_url') %}"
     "<|vision_start|><|image_pad|><|vision_end|>{% endif %}"
-    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% endfor %}{% endif %}"
+    "{% if tools and loop.first and message['role'] == 'system' %}" + _TOOLS_LIST +
+    "{% endif %}"
+    "{% if message['role'] == 'assistant' and message['tool_calls'] %}"
+    "{% for call in message['tool_calls'] %}"
+    "{% set function = call['function'] if call['function'] is defined else call %}"
+    "{{ '<tool_call>\\n{\"name\": \"' }}{{ function['name'] }}{{ '\", \"arguments\": ' }}"
+    "{% if function['arguments'] is string %}{{ function['arguments'] }}"
+    "{% else %}{{ function['arguments'] | tojson }}{% endif %}"
+    "{{ '}\\n</tool_call>' }}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'tool' %}"
+    "{{ '\\n</tool_response>' }}"
+    "{% if loop.last or messages[loop.index0 + 1]['role'] != 'tool' %}<|im_end|>{{ '\\n' }}"
+    "{% endif %}"
+    "{% else %}<|im_end|>\n{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )

@@ -39,6 +39,7 @@ from typing import Any, NamedTuple
 
 __all__ = [
     "ABS_TOLERANCE",
+    "JUDGE_SYSTEM_PROMPT",
     "LOCAL_METRICS",
     "METRICS",
     "VARIANTS",
@@ -373,8 +374,8 @@ class JudgeError(ValueError):
         super().__init__(f"the judge replied neither Correct nor Incorrect: {shown!r}")
 
 
-_JUDGE_SYSTEM = ("You grade answers to questions. You reply with exactly one word: "
-                 "Correct or Incorrect.")
+JUDGE_SYSTEM_PROMPT = ("You grade answers to questions. You reply with exactly one word: "
+                       "Correct or Incorrect.")
 
 
 def judge_messages(prediction: str, reference: str | list[str],
@@ -391,7 +392,7 @@ def judge_messages(prediction: str, reference: str | list[str],
     user = (f"Question:\n{question}\n\n{ref_block}\n\nModel's answer:\n{prediction}\n\n"
             "Does the model's answer give the same answer as the reference? Reply with "
             "exactly one word: Correct if it does, Incorrect if it does not. No other text.")
-    return [{"role": "system", "content": _JUDGE_SYSTEM}, {"role": "user", "content": user}]
+    return [{"role": "system", "content": JUDGE_SYSTEM_PROMPT}, {"role": "user", "content": user}]
 
 
 _VERDICT = re.compile(r"\b(correct|incorrect)\b", re.IGNORECASE)
