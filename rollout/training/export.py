@@ -42,9 +42,12 @@ EPISODE_COLUMNS = (
 STEP_COLUMNS = (
     "step_num", "model_version", "response", "action", "prompt_token_ids", "token_ids",
     "logprobs", "images", "image_spans", "observation_path", "discarded",
+    # A text episode's turn: the reply's tool calls (as the server sent them), each call with
+    # its result (what the model read next), the final answer on the last turn.
+    "response_tool_calls", "tool_calls", "answer",
 )
 # Columns JSON-encoded as strings in Parquet (nested shapes that vary row to row).
-_JSON_IN_PARQUET = ("images", "image_spans", "discarded")
+_JSON_IN_PARQUET = ("images", "image_spans", "discarded", "response_tool_calls", "tool_calls")
 # Rows per Parquet row group (bounded memory whatever the export's size).
 _BATCH_ROWS = 512
 
@@ -91,6 +94,8 @@ def _step_row(row: dict[str, Any], step: dict[str, Any], directory: Path) -> dic
         "image_spans": step.get("image_spans"),
         "observation_path": str(directory / observation) if observation else None,
         "discarded": step.get("discarded") or [],
+        "response_tool_calls": step.get("response_tool_calls"),
+        "tool_calls": step.get("tool_calls"), "answer": step.get("answer"),
     }
 
 
@@ -189,6 +194,8 @@ def _schema(pa: Any, per: str) -> Any:
             ("token_ids", pa.list_(pa.int64())), ("logprobs", pa.list_(pa.float64())),
             ("images", pa.string()), ("image_spans", pa.string()),
             ("observation_path", pa.string()), ("discarded", pa.string()),
+            ("response_tool_calls", pa.string()), ("tool_calls", pa.string()),
+            ("answer", pa.string()),
         ]
     return pa.schema(fields)
 

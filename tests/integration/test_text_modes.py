@@ -111,6 +111,21 @@ def test_the_text_demo_runs_all_four_modes_and_resumes(tmp):
     assert [m["role"] for m in messages] == ["system", "user", "assistant", "tool",
                                             "assistant", "tool", "assistant"]
 
+    # The trainer's hand-off: groups per item, step rows with the turns' tool calls.
+    out = tmp / "steps.parquet"
+    exported = subprocess.run([sys.executable, "-m", "rollout.training", "--run-dir",
+                               str(run_dir), "export", "--per", "step", str(out)],
+                              cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
+    assert exported.returncode == 0, exported.stderr
+    import pyarrow.parquet as pq
+
+    rows = pq.read_table(out).to_pylist()
+    assert len(rows) == sum(len(_turns(run_dir, r)) for v in results.values() for r in v)
+    fetched = [r for r in rows if r["episode_id"] == "web/web-001/0"]
+    assert [r["action"] for r in fetched] == ["search", "fetch", "answer"]
+    assert json.loads(fetched[0]["tool_calls"])[0]["name"] == "search"
+    assert fetched[-1]["answer"] == "1961" and fetched[-1]["reward"] == 1.0
+
     again = _run(_command(tmp), cwd=REPO_ROOT)
     assert again.returncode == 0, again.stderr[-3000:]
     assert sum(len(v) for v in _results(run_dir).values()) == 2 * len(items)
