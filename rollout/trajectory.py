@@ -39,15 +39,7 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
     ``constrained``: the reply was sampled under the action grammar (its logprobs are those
     of the constrained process)."""
     record: dict[str, Any] = {
-        # OSWorld's fields
-        "step_num": step,
-        "action_timestamp": _timestamp(),
-        "action": None,
-        "response": generation.text,
-        "reward": 0,
-        "done": False,
-        "info": {},
-        "screenshot_file": None,
+        **_osworld_fields(step, generation),
         # ours
         "observation_file": observation_file,
         "thought": parsed.thought if parsed else None,
@@ -59,20 +51,20 @@ def step_record(step: int, generation: Generation, parsed: ParsedResponse | None
     return record
 
 
+def _osworld_fields(step: int, generation: Generation) -> dict[str, Any]:
+    """OSWorld's fields of a traj.jsonl line, as known once the model replied."""
+    return {"step_num": step, "action_timestamp": _timestamp(), "action": None,
+            "response": generation.text, "reward": 0, "done": False, "info": {},
+            "screenshot_file": None}
+
+
 def text_step_record(turn: int, generation: Generation, *, token_ids: bool,
                      logprobs: bool) -> dict[str, Any]:
     """A text episode's turn as traj.jsonl keeps it: OSWorld's fields (``action`` is the
     tools called, or ``answer``), the reply's text and tool calls, and what was generated;
     the loop adds ``tool_calls`` (each call and its result), ``answer``, ``timing``."""
     return {
-        "step_num": turn,
-        "action_timestamp": _timestamp(),
-        "action": None,
-        "response": generation.text,
-        "reward": 0,
-        "done": False,
-        "info": {},
-        "screenshot_file": None,
+        **_osworld_fields(turn, generation),
         "response_tool_calls": generation.tool_calls,
         **_generated(generation, token_ids=token_ids, logprobs=logprobs),
     }

@@ -69,6 +69,16 @@ def _check_screenshot(shot: Any, where: str,
     return size
 
 
+def _contract_break(env: Any, exc: Exception, allowed: type[Exception]) -> None:
+    """Raise ``ConformanceError`` for an exception the environment should not raise; return
+    for a ``ConformanceError`` or an ``allowed`` one (the environment failed in the project's
+    terms: not a contract break), which the caller re-raises."""
+    if isinstance(exc, ConformanceError | allowed):
+        return
+    raise ConformanceError(f"{type(env).__name__} raised {type(exc).__name__} (not a "
+                           f"rollout.errors.{allowed.__name__}): {exc}") from exc
+
+
 async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = None,
                             probe: bool = True) -> dict[str, Any]:
     """Drive ``env`` through the contract and raise ``ConformanceError`` at the first break:
@@ -122,13 +132,9 @@ async def check_desktop_env(env: Any, *, screen_size: tuple[int, int] | None = N
             else:
                 raise ConformanceError("an unknown setup step type did not raise "
                                        "rollout.errors.UnsupportedSetupStep")
-    except ConformanceError:
-        raise
-    except DesktopError:
-        raise  # the environment failed, in the project's terms: not a contract break
     except Exception as exc:
-        raise ConformanceError(f"{type(env).__name__} raised {type(exc).__name__} (not a "
-                               f"rollout.errors.DesktopError): {exc}") from exc
+        _contract_break(env, exc, DesktopError)
+        raise
     finally:
         await env.close()
     await env.close()  # idempotent
@@ -197,13 +203,9 @@ async def check_text_env(env: Any) -> dict[str, Any]:
             _check(isinstance(result, StepResult) and not result.ok and result.output.strip(),
                    f"step() of a wrong call ({call.name} {call.arguments!r}) must return a "
                    f"StepResult that is not ok with a message for the model, got {result!r:.200}")
-    except ConformanceError:
-        raise
-    except RolloutError:
-        raise  # the environment failed, in the project's terms: not a contract break
     except Exception as exc:
-        raise ConformanceError(f"{type(env).__name__} raised {type(exc).__name__} (not a "
-                               f"rollout.errors error): {exc}") from exc
+        _contract_break(env, exc, RolloutError)
+        raise
     finally:
         await env.close()
     await env.close()  # idempotent

@@ -354,7 +354,8 @@ def _ok_on_everything(call: ToolCall) -> StepResult:
 
 @pytest.mark.parametrize(("env", "message"), [
     (FakeTextEnv(step=_raise_on_unknown),
-     "FakeTextEnv raised KeyError (not a rollout.errors error): 'conformance_check_no_such_"),
+     "FakeTextEnv raised KeyError (not a rollout.errors.RolloutError): "
+     "'conformance_check_no_such_"),
     (FakeTextEnv(reset_value=None), "reset() must return the task's question, got None"),
     (FakeTextEnv(reset_value="something else"), "reset() must return the task's question"),
     (FakeTextEnv(tools=[_spec(), _spec()]), "two tools share a name: ['echo', 'echo']"),
@@ -424,8 +425,8 @@ async def test_a_tool_env_whose_tool_crashes_fails_the_checker() -> None:
     crash = CrashTool("calc")
     env = _env(EchoTool(), crash)
     with pytest.raises(ConformanceError,
-                       match=r"ToolEnv raised RuntimeError \(not a rollout\.errors error\): "
-                             r"a bug in the tool"):
+                       match=r"ToolEnv raised RuntimeError \(not a "
+                             r"rollout\.errors\.RolloutError\): a bug in the tool"):
         await check_text_env(env)
     assert crash.closed == 1
 
