@@ -644,6 +644,20 @@ class _Episode:
         self.r.background.spawn(self._finish(lease, healthy, status, error, False, reward))
 
 
+async def _all_or_none(calls: list[Awaitable[StepResult]]) -> list[StepResult]:
+    """Run a turn's tool calls concurrently; when one raises (a tool that cannot run, a
+    cancel), the others are cancelled and awaited before the error goes on: no call outlives
+    its episode's environment."""
+    tasks = [asyncio.ensure_future(c) for c in calls]
+    try:
+        return list(await asyncio.gather(*tasks))
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
 class _TextEpisode(_Episode):
     """A text episode (math, py, rag, web): no desktop; a text environment's tools in its
     place (``rollout.text.envs``), a tool-calling conversation of up to ``text.max_turns``
@@ -712,7 +726,7 @@ class _TextEpisode(_Episode):
         else:
             limit = text_cfg.max_tool_calls_per_turn
             run, over = reply.calls[:limit], reply.calls[limit:]
-            ran = await asyncio.gather(*(env.step(c) for c in run))
+            ran = await _all_or_none([env.step(c) for c in run])
             results: dict[str, StepResult] = {c.id: r for c, r in zip(run, ran, strict=True)}
             skipped = (f"error: not run: a reply may make at most {limit} tool calls "
                        f"(text.max_tool_calls_per_turn)")
@@ -841,7 +855,9 @@ class TrajectoryRunner:
         else:
             if self._judge is None:
                 self._judge = ModelServicePool(judge_cfg, None)
-            generation = await self._judge.generate(messages, None)
+            # Deterministic unless text.judge.sampling says otherwise.
+            sampling = None if "sampling" in judge_cfg.model_fields_set else _JUDGE_SAMPLING
+            generation = await self._judge.generate(messages, None, sampling)
         return generation.text
 
     @property

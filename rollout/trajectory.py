@@ -166,5 +166,5 @@ class ScreenshotFiles:
                     if part.get("type") == "image_url" else part
                     for part in content
                 ]
-            out.append({"role": message["role"], "content": content})
+            out.append({**message, "content": content})  # tool_calls, tool_call_id kept
         return out

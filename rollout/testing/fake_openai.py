@@ -26,6 +26,8 @@ from rollout.openai_protocol import (
 __all__ = ["FakeOpenAIServer"]
 
 _PROMPT_TOKENS = 11  # what every reply claims the prompt was
+# A reply's text, or its text and the tool calls it makes: (name, arguments JSON text).
+Reply = str | tuple[str, list[tuple[str, str]]]
 
 
 class FakeOpenAIServer(ThreadedServer):
@@ -34,7 +36,9 @@ class FakeOpenAIServer(ThreadedServer):
     ``faults`` is a queue consumed one per chat request: an int is an HTTP status answered
     with an OpenAI-style error body, ``"hang"`` never answers, ``"garbage"`` answers 200 with
     a body that is not a completion, ``"drop"`` closes the connection without a reply.
-    ``reply`` gets each request's decoded body (a dict), as ``requests`` records it.
+    ``reply`` gets each request's decoded body (a dict), as ``requests`` records it, and
+    returns the reply's text, or ``(text, [(tool name, arguments JSON text), ...])`` for a
+    reply that makes those tool calls.
     """
 
     def __init__(
@@ -42,7 +46,7 @@ class FakeOpenAIServer(ThreadedServer):
         *,
         latency_s: float = 0.0,
         model: str = "fake-model",
-        reply: Callable[[dict[str, Any]], str] | None = None,
+        reply: Callable[[dict[str, Any]], Reply] | None = None,
         healthy: bool = True,
         max_model_len: int | None = None,
         root: str | None = "",
@@ -103,7 +107,8 @@ class FakeOpenAIServer(ThreadedServer):
                     self.statuses[400] += 1
                     return JSONResponse(error_body(400, str(exc)), status_code=400)
                 self.statuses[200] += 1
-                text = self.reply(body)
+                reply = self.reply(body)
+                text, tool_calls = (reply, None) if isinstance(reply, str) else reply
                 words = text.split()
                 return completion_body(
                     text, model=self.model, completion_id="chatcmpl-fake",
@@ -112,6 +117,7 @@ class FakeOpenAIServer(ThreadedServer):
                     prompt_token_ids=list(range(_PROMPT_TOKENS)) if chat.return_token_ids
                     else None,
                     logprobs=[(w, -0.5) for w in words] if chat.logprobs else None,
+                    tool_calls=tool_calls or None,
                 )
             finally:
                 self.in_flight -= 1
