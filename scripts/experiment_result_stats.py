@@ -1,8 +1,9 @@
 """Figures of several runs side by side: per run the success rate, avg@k, pass@k, status
-counts, mean steps and time; their mean and sample deviation; the any-correct rate (JSON and
-CSV layout: ``collect``'s docstring). --min-version / --exclude-mixed narrow every run by
-model version first. Exit codes: 0, 2 on bad usage (an unknown --min-version too) or a
-RUN_DIR missing."""
+counts, mean steps and time; their mean and sample deviation; the any-correct rate; for runs
+with text episodes, each text benchmark's (mode's, metric's) score per run and its mean and
+deviation (JSON and CSV layout: ``collect``'s docstring). --min-version / --exclude-mixed
+narrow every run by model version first. Exit codes: 0, 2 on bad usage (an unknown
+--min-version too) or a RUN_DIR missing."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from rollout.results import (
     selection_json,
     version_order,
 )
+from rollout.results.text import text_summary
 from rollout.types import STATUSES
 
 __all__ = ["main"]
@@ -76,7 +78,8 @@ def collect(runs: list[Run]) -> dict[str, Any]:
                                "excluded_episodes": int}, **RATES}, ...],
        "mean": {column: float | null}, "std": {column: float | null},
        "pooled": RATES,
-       "any_correct": {"rate": float | null, "solved_tasks": int, "tasks": int}}
+       "any_correct": {"rate": float | null, "solved_tasks": int, "tasks": int},
+       "text": TEXT}                     only when some run has text episodes
     RATES is ``Rates.to_json()`` (rollout/results/rates.py), flattened in "runs" (status
     counts as columns, plus "k"). "versions" are the run's model versions in order of first
     use (the whole run's, even when --min-version / --exclude-mixed narrowed it; "selection"
@@ -87,8 +90,18 @@ def collect(runs: list[Run]) -> dict[str, Any]:
     tasks scored in some run that some rollout of some run solved: pass@k of all runs'
     episodes pooled, the row "pooled".
 
+    TEXT: the text benchmarks' scores (rollout/results/text.py: the mean of the answer metric
+    over the final episodes, an infra error counting 0), each run's from its ``text_summary``:
+      {"runs": [str, ...],                    the runs' names, as in "runs"
+       "benchmarks": {name: SCORES}, "modes": {mode: SCORES}, "metrics": {metric: SCORES},
+       "all": SCORES}
+      SCORES: {"scores": [float | null, ...], "episodes": [int, ...],   one per run (null, 0:
+               the run has no such episodes), "mean": float | null, "std": float | null}
+    "mean" and "std" over the runs that have the row, as above.
+
     ``-o FILE.csv`` writes the table: a header (CSV_COLUMNS), then one row per run, "mean",
-    "std", "pooled"; full precision, empty cells for figures that do not exist.
+    "std", "pooled"; full precision, empty cells for figures that do not exist (the text
+    section is in the JSON only).
     """
     names = [r.name for r in runs]
     rows = []
@@ -109,7 +122,7 @@ def collect(runs: list[Run]) -> dict[str, Any]:
     for column in NUMERIC_COLUMNS:
         mean[column], std[column] = mean_std(row[column] for row in rows)
     pooled = compute_rates(e for run in runs for e in run.episodes)
-    return {
+    stats = {
         "schema": SCHEMA,
         "runs": rows,
         "mean": mean,
@@ -121,6 +134,35 @@ def collect(runs: list[Run]) -> dict[str, Any]:
             "tasks": pooled.scored_tasks,
         },
     }
+    text = text_stats(runs, [row["run"] for row in rows])
+    if text is not None:
+        stats["text"] = text
+    return stats
+
+
+def text_stats(runs: list[Run], names: list[str]) -> dict[str, Any] | None:
+    """The "text" section of ``collect`` (its docstring), or None when no run has text
+    episodes."""
+    sections = [text_summary(run.episodes) for run in runs]
+    if all(section is None for section in sections):
+        return None
+
+    def scores(rows: list[dict[str, Any] | None]) -> dict[str, Any]:
+        values = [None if row is None else row["score"] for row in rows]
+        mean, std = mean_std(values)
+        return {"scores": values, "episodes": [0 if row is None else row["episodes"]
+                                               for row in rows],
+                "mean": mean, "std": std}  # fmt: skip
+
+    out: dict[str, Any] = {"runs": names}
+    for key in ("benchmarks", "modes", "metrics"):
+        names_of = sorted({name for s in sections if s is not None for name in s["rows"][key]})
+        out[key] = {
+            name: scores([None if s is None else s["rows"][key].get(name) for s in sections])
+            for name in names_of
+        }
+    out["all"] = scores([None if s is None else s["rows"]["all"] for s in sections])
+    return out
 
 
 def write_csv(stats: dict[str, Any], path: Path) -> None:
@@ -186,13 +228,53 @@ def _print_table(stats: dict[str, Any]) -> None:
         selected = describe_selection(row["selection"])
         if selected is not None:
             console.print(f"{row['run']}: {selected}", markup=False, highlight=False)
+    if stats.get("text") is not None:
+        _print_text_table(stats["text"], console)
+
+
+def _print_text_table(text: dict[str, Any], console: Any) -> None:
+    """The text benchmarks' scores: a row per benchmark, mode, metric and all; a column per
+    run, then the mean and the deviation across the runs."""
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(title=f"text benchmarks: score across {len(text['runs'])} runs",
+                  title_justify="left")  # fmt: skip
+    table.add_column("benchmark")
+    for name in text["runs"]:
+        table.add_column(Text(name), justify="right")
+    table.add_column("mean", justify="right")
+    table.add_column("std", justify="right")
+
+    def add(name: str, row: dict[str, Any], style: str | None = None) -> None:
+        table.add_row(Text(name), *(fmt_rate(v) for v in row["scores"]), fmt_rate(row["mean"]),
+                      fmt_rate(row["std"]), style=style)  # fmt: skip
+
+    for name, row in text["benchmarks"].items():
+        add(name, row)
+    table.add_section()
+    for name, row in text["modes"].items():
+        add(f"mode {name}", row, "cyan")
+    for name, row in text["metrics"].items():
+        add(f"metric {name}", row, "magenta")
+    table.add_section()
+    add("all", text["all"], "bold")
+    console.print(table)
+    console.print(
+        "score: the mean of the answer metric over every final text episode (an infra error "
+        "or a missing answer counts 0); '-': the run has no such episodes; std is the sample "
+        "deviation (n - 1) across the runs that have them.",
+        markup=False,
+        highlight=False,
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = results_parser(
         "experiment_result_stats.py",
         "Per-run success rate, avg@k, pass@k and status counts of several runs, "
-        "their mean and standard deviation, and the any-correct rate.",
+        "their mean and standard deviation, and the any-correct rate; with text episodes, "
+        "each text benchmark's score per run, its mean and standard deviation.",
         run_dir=False,
     )
     parser.add_argument("run_dirs", metavar="RUN_DIR", nargs="+", help="run directories")

@@ -1,12 +1,16 @@
 """A static, offline HTML report of a run's trajectories: index.html, a sortable table of
 tasks x rollouts (under the run's timeline, when plot_run.py drew it), and a page per episode
-with each step's screenshot, the action drawn over it, thought, response and timings. Exit
-codes: 0, 2 on bad usage or RUN_DIR missing."""
+with each step's screenshot, the action drawn over it, thought, response and timings. A text
+episode's page (math, py, rag, web: docs/text_modes.md) has no images: the question, each
+turn's reply and tool calls (arguments, output, return code, error), and the final answer
+against the task's reference answer, its metric and score. Exit codes: 0, 2 on bad usage or
+RUN_DIR missing."""
 
 from __future__ import annotations
 
 import argparse
 import html
+import json
 import os
 import re
 import shutil
@@ -15,7 +19,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
-from rollout.layout import screenshot_name
+from rollout.layout import MESSAGES_FILE, TASK_CONFIG_FILE, screenshot_name
 from rollout.results import (
     Episode,
     Problem,
@@ -33,6 +37,7 @@ from rollout.results import (
     results_parser,
     summarize_tasks,
 )
+from rollout.results.text import text_summary
 
 __all__ = ["main"]
 
@@ -47,6 +52,15 @@ _FONT_PX = 22
 _SCROLL_ARROW_PX = 120
 _LABEL_MAX_CHARS = 80
 _SCROLL_VECTORS = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
+# A text episode's tool call: what a return code other than 0 (ran) says; the codes of
+# rollout/text/agent.py's TOOL_FAILED, TOOL_MALFORMED, TOOL_UNKNOWN, TOOL_OVER_LIMIT (the
+# results scripts read run directories only, they import nothing of the runner's).
+_TOOL_RETURNCODES = {
+    1: "tool error",
+    2: "arguments not a JSON object",
+    3: "unknown tool",
+    4: "over the per-turn limit, not run",
+}
 
 _CSS = """
 body { font: 14px/1.4 system-ui, sans-serif; margin: 1em 2em; color: #222; }
@@ -72,6 +86,18 @@ pre { white-space: pre-wrap; word-break: break-word; background: #f6f6f6; paddin
 .missing { padding: 3em 1em; background: #eee; color: #a00; }
 .timeline img { max-width: 100%; height: auto; }
 .warn { color: #a00; }
+"""
+
+# Text episodes' pages only: desktop pages keep _CSS alone.
+_TEXT_CSS = """
+.turn, .answer { border-top: 2px solid #888; margin-top: 1.5em; padding-top: .5em; }
+.tool-call { border-left: 4px solid #9bc; margin: .8em 0; padding: 0 0 0 .8em; }
+.tool-call.failed { border-left-color: #d33; background: #fdf0f0; }
+.tool-call.failed .rc, .tool-error { color: #a00; font-weight: bold; }
+.tool-call h4 { margin: .3em 0; font-weight: normal; }
+.empty { color: #777; font-style: italic; }
+table.answer th { text-align: left; }
+table.answer pre { margin: 0; }
 """
 
 _SORT_JS = """
@@ -120,11 +146,11 @@ def _e(value: Any) -> str:
     return html.escape("" if value is None else str(value), quote=True)
 
 
-def _page(title: str, body: str, *, script: str = "") -> str:
+def _page(title: str, body: str, *, script: str = "", css: str = "") -> str:
     tail = f"<script>{script}</script>\n" if script else ""
     return (
         '<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8">\n'
-        f"<title>{_e(title)}</title>\n<style>{_CSS}</style></head>\n"
+        f"<title>{_e(title)}</title>\n<style>{_CSS}{css}</style></head>\n"
         f"<body>\n{body}\n{tail}</body></html>\n"
     )
 
@@ -302,7 +328,10 @@ def episode_page(
     episode: Episode, lines: list[dict[str, Any]], problems: list[Problem],
     image_dir: Path, slug: str,
 ) -> str:  # fmt: skip
-    """The HTML of one episode; its screenshots are placed in ``image_dir``."""
+    """The HTML of one episode; its screenshots are placed in ``image_dir`` (a text
+    episode's page: ``text_episode_page``)."""
+    if _is_text(episode):
+        return text_episode_page(episode, lines, problems)
     reward = "-" if episode.reward is None else f"{episode.reward:g}"
     duration = fmt_float(episode.duration_s)
     facts = [
@@ -358,6 +387,188 @@ def _where(action: dict[str, Any]) -> str:
     if point and end:
         return f" at ({point[0]:g}, {point[1]:g}) to ({end[0]:g}, {end[1]:g})"
     return f" at ({point[0]:g}, {point[1]:g})" if point else ""
+
+
+# --------------------------------------------------------------------------- text episodes
+
+
+def _is_text(episode: Episode) -> bool:
+    """A text episode (math, py, rag, web): its result line has a ``text`` object."""
+    return isinstance(episode.record.get("text"), dict)
+
+
+def _read_json(episode: Episode, name: str) -> Any:
+    """The JSON of one of the episode's files, or None when it is missing or unreadable."""
+    if episode.dir is None:
+        return None
+    try:
+        return json.loads((episode.dir / name).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return None
+
+
+def _arguments(raw: Any) -> str:
+    """A tool call's arguments (JSON text) pretty-printed; a multi-line string argument (a
+    snippet of code) also as plain text; arguments that are not JSON as they came."""
+    if isinstance(raw, str):
+        try:
+            parsed = json.loads(raw)
+        except ValueError:
+            return (f'<p class="tool-error">arguments: not JSON</p>'
+                    f'<pre class="arguments">{_e(raw)}</pre>')  # fmt: skip
+    else:
+        parsed = raw
+    pretty = json.dumps(parsed, indent=2, ensure_ascii=False)
+    out = f'<p>arguments:</p><pre class="arguments">{_e(pretty)}</pre>'
+    if isinstance(parsed, dict):
+        for key, value in parsed.items():
+            if isinstance(value, str) and "\n" in value:
+                out += f'<p>{_e(key)}:</p><pre class="argument-text">{_e(value)}</pre>'
+    return out
+
+
+def _tool_call(call: dict[str, Any]) -> str:
+    """One tool call of a turn: name, arguments, output, and the return code and error,
+    highlighted when the call did not run cleanly."""
+    rc, error = call.get("returncode"), call.get("error")
+    failed = rc not in (0, None) or bool(error)
+    state = "ok" if not failed else _TOOL_RETURNCODES.get(rc, "failed")
+    duration = call.get("duration_s")
+    head = (
+        f'<h4><code class="tool-name">{_e(call.get("name"))}</code> '
+        f'<span class="rc">{_e(state)} (return code {_e(rc if rc is not None else "-")})</span>'
+        + (f" &middot; {duration:.3f} s" if isinstance(duration, int | float) else "")
+        + (f' &middot; <span class="call-id">{_e(call.get("id"))}</span>' if call.get("id")
+           else "")
+        + "</h4>"
+    )  # fmt: skip
+    output = call.get("output")
+    return (
+        f'<div class="tool-call{" failed" if failed else ""}">{head}'
+        f"{_arguments(call.get('arguments'))}"
+        + (f'<p class="tool-error">error: {_e(error)}</p>' if error else "")
+        + ('<p class="empty">no output</p>' if output is None
+           else f'<p>output:</p><pre class="tool-output">{_e(output)}</pre>')
+        + "</div>"
+    )  # fmt: skip
+
+
+def _unrun_calls(line: dict[str, Any]) -> list[dict[str, Any]]:
+    """The reply's calls (``response_tool_calls``, the wire format) that ``tool_calls`` does
+    not hold, by id: the call of the answer tool that ended the episode."""
+    ran = line.get("tool_calls") if isinstance(line.get("tool_calls"), list) else []
+    ran_ids = {c.get("id") for c in ran if isinstance(c, dict)}
+    wire = line.get("response_tool_calls")
+    calls = []
+    for w in wire if isinstance(wire, list) else []:
+        function = w.get("function") if isinstance(w, dict) else None
+        if isinstance(function, dict) and w.get("id") and w.get("id") not in ran_ids:
+            calls.append({"id": w.get("id"), "name": function.get("name"),
+                          "arguments": function.get("arguments")})  # fmt: skip
+    return calls
+
+
+def _turn(line: dict[str, Any], n: Any) -> str:
+    calls = [c for c in (line.get("tool_calls") or []) if isinstance(c, dict)]
+    unrun = _unrun_calls(line)
+    response = line.get("response")
+    if response:
+        reply = f'<pre class="response">{_e(response)}</pre>'
+    else:
+        reply = ('<p class="empty">no text: the reply only called tools</p>' if calls or unrun
+                 else '<p class="empty">an empty reply</p>')  # fmt: skip
+    listed = "".join(_tool_call(c) for c in calls)
+    listed += "".join(
+        f'<div class="tool-call answer-call"><h4><code class="tool-name">{_e(c["name"])}'
+        f"</code> (the reply's call that ends the episode)</h4>{_arguments(c['arguments'])}</div>"
+        for c in unrun
+    )
+    answer = line.get("answer")
+    return (
+        f'<section class="turn" id="turn-{_e(n)}"><h2>Turn {_e(n)}</h2>'
+        f"<h3>Reply</h3>{reply}"
+        + (f'<h3>Tool calls</h3><div class="tool-calls">{listed}</div>' if listed else "")
+        + (f'<h3>Answer</h3><pre class="turn-answer">{_e(answer)}</pre>'
+           if answer is not None else "")
+        + f"<h3>Timing</h3>{_timing_rows(line)}</section>"
+    )  # fmt: skip
+
+
+def _reference(value: Any) -> str:
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def text_episode_page(episode: Episode, lines: list[dict[str, Any]],
+                      problems: list[Problem]) -> str:  # fmt: skip
+    """The HTML of a text episode: the question, the final answer against the reference
+    answer (task_config.json's ``answer``), the metric and the score, then each turn's reply,
+    tool calls and answer. No images: a text episode has none."""
+    text = episode.record["text"]
+    task = _read_json(episode, TASK_CONFIG_FILE)
+    task = task if isinstance(task, dict) else {}
+    metric = task.get("metric") if isinstance(task.get("metric"), dict) else {}
+    metric_name = metric.get("name") or text.get("metric")
+    variant = metric.get("variant") or text.get("variant")
+    question = task.get("question") if isinstance(task.get("question"), str) else None
+    reward = "-" if episode.reward is None else f"{episode.reward:g}"
+    facts = [
+        ("status", episode.status), ("score", reward), ("turns", episode.steps),
+        ("duration s", fmt_float(episode.duration_s)), ("error", episode.error),
+        ("mode", text.get("mode")), ("benchmark", text.get("benchmark")),
+        ("metric", text.get("metric")), ("variant", text.get("variant")),
+        ("tool calls", text.get("tool_calls")),
+        ("tool errors / malformed / unknown / over limit",
+         "/".join(str(text.get(k, 0)) for k in ("tool_errors", "malformed_calls",
+                                                 "unknown_tools", "over_limit"))),
+    ]  # fmt: skip
+    by_tool = text.get("by_tool")
+    if isinstance(by_tool, dict) and by_tool:
+        facts.append(("by tool", ", ".join(f"{k} {v}" for k, v in by_tool.items())))
+    for key in ("model_version", "attempt", "last_action"):
+        if episode.record.get(key) is not None:
+            facts.append((key, episode.record[key]))
+    timing = episode.record.get("timing")
+    if isinstance(timing, dict):
+        facts.append(("timing s", ", ".join(f"{k} {v}" for k, v in timing.items())))
+    head = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)
+    answer = text.get("answer")
+    if "answer" in task:
+        reference = f'<pre class="reference">{_e(_reference(task["answer"]))}</pre>'
+        if isinstance(task["answer"], list) and len(task["answer"]) > 1:
+            reference += "<p>(any one of these)</p>"
+    else:
+        reference = f'<p class="warn">not found ({TASK_CONFIG_FILE} missing or without one)</p>'
+    score = reward if episode.status != "infra_error" else "- (an infra error: 0 in the score)"
+    answer_rows = (
+        "<tr><th>final answer</th><td>"
+        + ('<p class="empty">no answer</p>' if answer is None
+           else f'<pre class="final-answer">{_e(answer)}</pre>')
+        + f"</td></tr><tr><th>reference</th><td>{reference}</td></tr>"
+        f"<tr><th>metric</th><td>{_e(metric_name)}"
+        + (f" ({_e(variant)})" if variant else "")
+        + f'</td></tr><tr class="st-{_e(episode.status)}"><th>score</th><td>{_e(score)}</td></tr>'
+    )  # fmt: skip
+    parts = [
+        '<p><a href="../index.html">&larr; all episodes</a></p>',
+        f'<h1 class="st-{_e(episode.status)}">{_e(episode.episode_id)}</h1>',
+        f'<h2>Question</h2><pre class="instruction">{_e(question or episode.instruction)}</pre>',
+        f'<table class="episode">{head}</table>',
+    ]
+    parts += [f'<p class="warn">{_e(p)}</p>' for p in problems]
+    parts.append(f'<section class="answer"><h2>Answer</h2>'
+                 f'<table class="answer">{answer_rows}</table></section>')  # fmt: skip
+    messages = _read_json(episode, MESSAGES_FILE)
+    first = messages[0] if isinstance(messages, list) and messages else None
+    if isinstance(first, dict) and first.get("role") == "system":
+        parts.append("<details><summary>System prompt</summary>"
+                     f'<pre class="system">{_e(first.get("content"))}</pre></details>')  # fmt: skip
+    if not lines:
+        parts.append('<p class="warn">no turns recorded (traj.jsonl missing or empty)</p>')
+    for i, line in enumerate(lines):
+        parts.append(_turn(line, line.get("step_num", i + 1)))
+    return _page(episode.episode_id, "\n".join(parts), css=_TEXT_CSS)
 
 
 def _plots_section(plots: list[str]) -> str:
@@ -433,7 +644,8 @@ def index_page(run: Run, episodes: list[Episode], links: dict[str, str],
             cells.append(
                 f'<td class="st-{_e(e.status)}" data-sort="{reward}">'
                 f'<a href="{_e(links[e.episode_id])}">{_e(e.status)}</a><br>'
-                f"{reward or '-'} &middot; {_e(e.steps if e.steps is not None else '-')} steps"
+                f"{reward or '-'} &middot; {_e(e.steps if e.steps is not None else '-')} "
+                f"{'turns' if _is_text(e) else 'steps'}"
                 f" &middot; {fmt_float(e.duration_s)} s</td>"
             )
         rows.append(f'<tr data-task="{_e(key[0])}/{_e(key[1])}">{"".join(cells)}</tr>')
@@ -447,11 +659,27 @@ def index_page(run: Run, episodes: list[Episode], links: dict[str, str],
     )
     body = (
         f"<h1>{_e(run.path)}</h1><p>{_e(summary)}. Click a column header to sort.</p>"
-        f"{_plots_section(plots or [])}"
+        f"{_text_scores(episodes)}{_plots_section(plots or [])}"
         f'<table id="episodes"><thead><tr>{header}</tr></thead>'
         f"<tbody>{''.join(rows)}</tbody></table>"
     )
     return _page(f"{run.name}: trajectories", body, script=_SORT_JS)
+
+
+def _text_scores(episodes: list[Episode]) -> str:
+    """The text benchmarks' scores (rollout/results/text.py), when the run has text
+    episodes."""
+    section = text_summary(episodes)
+    if section is None:
+        return ""
+    rows = section["rows"]
+    scores = "; ".join(f"{name} {fmt_rate(row['score'])} ({row['episodes']} episodes)"
+                       for name, row in rows["benchmarks"].items())  # fmt: skip
+    return (
+        f'<p class="text-scores">Text benchmarks: {_e(scores)}; all '
+        f"{fmt_rate(rows['all']['score'])}. The score is the mean of the answer metric over "
+        "the final episodes; an infra error or a missing answer counts 0.</p>"
+    )
 
 
 def _slug(episode_id: str, taken: set[str]) -> str:
@@ -498,7 +726,8 @@ def _parser() -> argparse.ArgumentParser:
         "view_trajectory.py",
         "Write a static HTML report of a run's episodes: index.html (tasks x "
         "rollouts, sortable) and a page per episode with each step's screenshot, the action "
-        "drawn on it, the thought, the raw response and the timings.",
+        "drawn on it, the thought, the raw response and the timings (a text episode's: each "
+        "turn's reply and tool calls, and the answer against the reference).",
     )
     parser.add_argument("--task", metavar="ID", help="only this task (task_id or domain/task_id)")
     parser.add_argument(

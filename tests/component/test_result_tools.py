@@ -679,6 +679,396 @@ def test_viewer_in_headless_chromium(run_a, tmp_path):
         assert image.size == (1280, 2000)
 
 
+# --------------------------------------------------------------------------- text episodes
+# Runs of text episodes (docs/text_modes.md), written as run.py writes them: the result line
+# with its ``text`` object, and per episode task_config.json (the item, with its reference
+# answer), episode.json, traj.jsonl (a line per turn), result.txt and messages.json.
+#
+# TEXT_A: math/m1 1.0 and 0.0, math/m2 an infra error (0 in the score), py/p1/0 1.0 after
+# three turns of tool calls (one ok, three refused, the answer tool), py/p1/1 cancelled (left
+# out), rag/r1 1.0. Scores: math 1/3, py 1, rag 1, all 3/5; numeric_match 2/4.
+# TEXT_B: math/m1 1.0 and 1.0, math/m2 1.0, py/p1 0.0 and 1.0, rag/r1 1.0. Scores: math 1,
+# py 1/2, rag 1, all 5/6.
+
+# (domain = mode = benchmark, task_id, rollout, status, reward, final answer)
+TEXT_A = [
+    ("math", "m1", 0, "success", 1.0, "42"),
+    ("math", "m1", 1, "failure", 0.0, "41 <b>bold</b>"),
+    ("math", "m2", 0, "infra_error", None, None),
+    ("py", "p1", 0, "success", 1.0, "832040"),
+    ("py", "p1", 1, "cancelled", None, None),
+    ("rag", "r1", 0, "success", 1.0, "the Orlen family"),
+]
+TEXT_B = [
+    ("math", "m1", 0, "success", 1.0, "42"),
+    ("math", "m1", 1, "success", 1.0, "42"),
+    ("math", "m2", 0, "success", 1.0, "7"),
+    ("py", "p1", 0, "failure", 0.0, "0"),
+    ("py", "p1", 1, "success", 1.0, "832040"),
+    ("rag", "r1", 0, "success", 1.0, "the Orlen family"),
+]
+_TEXT_METRICS = {"math": "numeric_match", "py": "numeric_match", "rag": "contains_answer"}
+_TEXT_REFERENCES: dict[str, object] = {"m1": "42", "m2": ["7", "seven"], "p1": "832040",
+                                       "r1": "the Orlen family"}  # fmt: skip
+SCRIPT_OUTPUT = "<script>alert('pwned')</script>\n2"
+
+
+def _wire(call_id: str, name: str, arguments: str) -> dict:
+    return {"id": call_id, "type": "function",
+            "function": {"name": name, "arguments": arguments}}  # fmt: skip
+
+
+def _call(call_id: str, name: str, arguments: str, output: str | None, returncode: int,
+          error: str | None = None) -> dict:  # fmt: skip
+    return {"id": call_id, "name": name, "arguments": arguments, "output": output,
+            "returncode": returncode, "error": error, "duration_s": 0.0312}  # fmt: skip
+
+
+def _turn_line(n: int, *, response: str = "", calls: list[dict] | None = None,
+               wire: list[dict] | None = None, answer: str | None = None,
+               reward: float = 0.0) -> dict:  # fmt: skip
+    """A traj.jsonl line of a text turn, with the fields the runner writes."""
+    line = {
+        "step_num": n, "action_timestamp": f"20261124@0735510{n}0000",
+        "action": ",".join(c["name"] for c in calls or []) or "answer",
+        "response": response, "reward": reward if answer is not None else 0,
+        "done": answer is not None, "info": {}, "screenshot_file": None,
+        "response_tool_calls": wire or None, "model_endpoint": "http://127.0.0.1:8000/v1",
+        "model_version": "m-1", "prompt_tokens": 100 * n, "completion_tokens": 7,
+        "timing": {"model_s": 0.01, "env_s": 0.02, "overhead_s": 0.0, "step_s": 0.03},
+    }  # fmt: skip
+    if calls is not None:
+        line["tool_calls"] = calls
+    if answer is not None:
+        line["answer"] = answer
+    return line
+
+
+def _text_turns(task_id: str, answer: str | None, reward: float) -> list[dict]:
+    if task_id != "p1" or answer is None:
+        # One reply whose text is the answer (math's way), or none at all.
+        return [] if answer is None else [
+            _turn_line(1, response=f"Thinking...\nFinal answer: {answer}", answer=answer,
+                       reward=reward)]  # fmt: skip
+    code = json.dumps({"code": 'print("<script>")\nprint(2)'})
+    return [
+        _turn_line(1, calls=[_call("c1", "python", code, SCRIPT_OUTPUT, 0)],
+                   wire=[_wire("c1", "python", code)]),
+        _turn_line(2, response="Let me try <i>again</i>", calls=[
+            _call("c2", "python", '{"code": 1}', "error: code must be a string", 1,
+                  "python: code must be a string"),
+            _call("c3", "python", "{not json", "error: arguments are not a JSON object", 2,
+                  "arguments are not a JSON object"),
+            _call("c4", "browse", "{}", "error: no tool browse", 3, "unknown tool browse"),
+        ], wire=[_wire("c2", "python", '{"code": 1}'), _wire("c3", "python", "{not json"),
+                 _wire("c4", "browse", "{}")]),
+        _turn_line(3, wire=[_wire("c5", "answer", json.dumps({"answer": answer}))],
+                   answer=answer, reward=reward),
+    ]  # fmt: skip
+
+
+def _text_record(domain: str, task_id: str, rollout: int, status: str, reward: float | None,
+                 answer: str | None, turns: list[dict], started_at: float) -> dict:  # fmt: skip
+    calls = [c for t in turns for c in t.get("tool_calls", [])]
+    by_tool: dict[str, int] = {}
+    for c in calls:
+        by_tool[c["name"]] = by_tool.get(c["name"], 0) + 1
+    return {
+        "episode_id": f"{domain}/{task_id}/{rollout}", "task_id": task_id, "domain": domain,
+        "rollout": rollout, "attempt": 1 if status == "infra_error" else 0, "status": status,
+        "reward": reward, "steps": len(turns), "started_at": started_at,
+        "ended_at": started_at + 2.0, "instruction": f"Question {task_id}: what is x <y>?",
+        "infeasible": False, "model_version": "m-1",
+        "model_endpoints": ["http://127.0.0.1:8000/v1"], "first_model_version": "m-1",
+        "model_versions": ["m-1"], "pass_index": 0, "group_id": f"{domain}/{task_id}/pass-0",
+        "group_size": 2, "desktop": None, "desktops_tried": [],
+        "error": "model endpoint unreachable" if status == "infra_error" else None,
+        "last_action": "answer" if answer is not None else None, "parse_failures": 0,
+        "timing": {"model_s": 0.05, "env_s": 0.03, "overhead_s": 0.0, "reset_s": 0.0,
+                   "evaluation_s": 0.002, "lease_wait_s": 0.0, "outage_wait_s": 0.0},
+        "runner": "runner-0", "node": "node-0",
+        "text": {"mode": domain, "benchmark": domain, "metric": _TEXT_METRICS[domain],
+                 "variant": "normalized", "answer": answer, "turns": len(turns),
+                 "tool_calls": len(calls),
+                 "tool_errors": sum(c["returncode"] == 1 for c in calls),
+                 "malformed_calls": sum(c["returncode"] == 2 for c in calls),
+                 "unknown_tools": sum(c["returncode"] == 3 for c in calls),
+                 "over_limit": 0, "by_tool": by_tool},
+        "duration_s": 2.0, "mixed_versions": False,
+    }  # fmt: skip
+
+
+def make_text_run(root: Path, name: str, episodes: list[tuple], *,
+                  into: Path | None = None) -> Path:  # fmt: skip
+    """A run of text ``episodes`` (TEXT_A's tuples); ``into``: added to that run's
+    results.jsonl and directories instead (a run with desktop and text episodes)."""
+    run_dir = into if into is not None else root / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for i, (domain, task_id, rollout, status, reward, answer) in enumerate(episodes):
+        turns = _text_turns(task_id, answer, reward or 0.0)
+        record = _text_record(domain, task_id, rollout, status, reward, answer, turns,
+                              1_700_000_000.0 + 3 * i)  # fmt: skip
+        lines.append(json.dumps(record) + "\n")
+        ep_dir = run_dir / domain / task_id / str(rollout)
+        ep_dir.mkdir(parents=True, exist_ok=True)
+        task = {
+            "id": task_id, "instruction": record["instruction"],
+            "question": record["instruction"], "answer": _TEXT_REFERENCES[task_id],
+            "metadata": {"evaluation_metric": _TEXT_METRICS[domain]}, "mode": domain,
+            "benchmark": domain,
+            "metric": {"name": _TEXT_METRICS[domain], "variant": "normalized",
+                       "tolerance": 1e-06},
+        }  # fmt: skip
+        (ep_dir / "task_config.json").write_text(json.dumps(task))
+        (ep_dir / "episode.json").write_text(json.dumps(record))
+        (ep_dir / "traj.jsonl").write_text("".join(json.dumps(t) + "\n" for t in turns))
+        if reward is not None:
+            (ep_dir / "result.txt").write_text(f"{reward}\n")
+        messages = [{"role": "system", "content": f"You solve {domain} <problems>."},
+                    {"role": "user", "content": record["instruction"]}]  # fmt: skip
+        (ep_dir / "messages.json").write_text(json.dumps(messages))
+    with (run_dir / "results.jsonl").open("a") as f:
+        f.writelines(lines)
+    if not (run_dir / "run.json").exists():
+        (run_dir / "run.json").write_text(json.dumps({
+            "run": name, "run_dir": str(run_dir), "started_at": 1_700_000_000.0,
+            "ended_at": 1_700_000_100.0, "status": "finished", "config": {}, "versions": {},
+            "host": "test", "command": "",
+        }))  # fmt: skip
+    return run_dir
+
+
+@pytest.fixture
+def text_a(tmp_path: Path) -> Path:
+    return make_text_run(tmp_path, "text_a", TEXT_A)
+
+
+@pytest.fixture
+def text_b(tmp_path: Path) -> Path:
+    return make_text_run(tmp_path, "text_b", TEXT_B)
+
+
+def test_text_fixture_scores_by_hand(text_a, text_b, capsys):
+    # The figures the stats and compare tests build on, as show_result reports them.
+    a = _json_of(capsys, show_result.main, [str(text_a), "--json"])["text"]["rows"]
+    assert {k: r["score"] for k, r in a["benchmarks"].items()} == {
+        "math": pytest.approx(1 / 3), "py": 1.0, "rag": 1.0}  # fmt: skip
+    assert (a["all"]["episodes"], a["all"]["score"]) == (5, pytest.approx(0.6))
+    assert a["metrics"]["numeric_match"]["score"] == pytest.approx(0.5)
+    assert (a["benchmarks"]["py"]["tool_errors"], a["benchmarks"]["py"]["malformed_calls"],
+            a["benchmarks"]["py"]["unknown_tools"]) == (1, 1, 1)  # fmt: skip
+    b = _json_of(capsys, show_result.main, [str(text_b), "--json"])["text"]["rows"]
+    assert b["benchmarks"]["py"]["score"] == pytest.approx(0.5)
+    assert b["all"]["score"] == pytest.approx(5 / 6)
+
+
+def test_viewer_renders_a_text_episodes_turns_and_tool_calls(text_a, tmp_path):
+    out = tmp_path / "view"
+    assert view_trajectory.main([str(text_a), "--out", str(out)]) == 0
+    page = (out / "episodes" / "py__p1__0.html").read_text()
+    # No screenshots: no image, no "screenshot not found", no image directory.
+    assert "<img" not in page and "screenshot" not in page and "<figure" not in page
+    assert not [p for p in (out / "episodes").iterdir() if p.is_dir()]
+    assert _step_count(page) == 0 and page.count('<section class="turn"') == 3
+    # The question and the system prompt, escaped.
+    assert '<pre class="instruction">Question p1: what is x &lt;y&gt;?</pre>' in page
+    assert "You solve py &lt;problems&gt;." in page
+    turn1, turn2, turn3 = page.split('<section class="turn"')[1:]
+    # Turn 1: no reply text, one python call: pretty-printed arguments, the code as text,
+    # the output (untrusted) escaped.
+    assert "no text: the reply only called tools" in turn1
+    assert '<code class="tool-name">python</code>' in turn1
+    assert "ok (return code 0)" in turn1 and 'class="tool-call failed"' not in turn1
+    assert '<pre class="arguments">{\n  &quot;code&quot;: ' in turn1
+    assert ('<pre class="argument-text">print(&quot;&lt;script&gt;&quot;)\nprint(2)</pre>'
+            in turn1)  # fmt: skip
+    assert "<script>" not in page
+    assert ('<pre class="tool-output">&lt;script&gt;alert(&#x27;pwned&#x27;)&lt;/script&gt;\n2'
+            "</pre>") in turn1  # fmt: skip
+    # Turn 2: the reply's text, and three refused calls, each highlighted with its reason.
+    assert '<pre class="response">Let me try &lt;i&gt;again&lt;/i&gt;</pre>' in turn2
+    assert turn2.count('class="tool-call failed"') == 3
+    assert "tool error (return code 1)" in turn2
+    assert "arguments not a JSON object (return code 2)" in turn2
+    assert "unknown tool (return code 3)" in turn2
+    assert '<p class="tool-error">error: python: code must be a string</p>' in turn2
+    assert ('<p class="tool-error">arguments: not JSON</p><pre class="arguments">{not json</pre>'
+            in turn2)  # fmt: skip
+    # Turn 3: the answer tool's call (not in tool_calls) and the answer.
+    assert '<code class="tool-name">answer</code>' in turn3
+    assert '<pre class="turn-answer">832040</pre>' in turn3
+    assert "<h3>Timing</h3>" in turn3 and "<th>prompt_tokens</th><td>300</td>" in turn3
+    # The final answer against the task's reference, the metric and the score.
+    answer = page.split('<section class="answer">')[1].split("</section>")[0]
+    assert '<pre class="final-answer">832040</pre>' in answer
+    assert '<pre class="reference">832040</pre>' in answer
+    assert "<td>numeric_match (normalized)</td>" in answer
+    assert '<tr class="st-success"><th>score</th><td>1</td></tr>' in answer
+    assert "<th>tool errors / malformed / unknown / over limit</th><td>1/1/1/0</td>" in page
+
+    # A math reply whose text is the answer; the answer is escaped.
+    page = (out / "episodes" / "math__m1__1.html").read_text()
+    assert page.count('<section class="turn"') == 1 and "<b>" not in page
+    assert '<pre class="final-answer">41 &lt;b&gt;bold&lt;/b&gt;</pre>' in page
+    assert '<tr class="st-failure"><th>score</th><td>0</td></tr>' in page
+    # An infra error: no answer, no turns; the reference lists every accepted answer.
+    page = (out / "episodes" / "math__m2__0.html").read_text()
+    assert '<p class="empty">no answer</p>' in page
+    assert '<pre class="reference">7\nseven</pre><p>(any one of these)</p>' in page
+    assert "- (an infra error: 0 in the score)" in page
+    assert "no turns recorded" in page and "model endpoint unreachable" in page
+    # The index: turns, not steps, and the text benchmarks' scores.
+    index = (out / "index.html").read_text()
+    assert "3 turns" in index and " steps" not in index
+    assert ("Text benchmarks: math 33.3% (3 episodes); py 100.0% (1 episodes); rag 100.0% "
+            "(1 episodes); all 60.0%.") in index  # fmt: skip
+    assert "<img" not in index
+
+
+def test_viewer_names_the_agents_tool_return_codes():
+    from rollout.text import agent
+
+    assert set(view_trajectory._TOOL_RETURNCODES) == {
+        agent.TOOL_FAILED, agent.TOOL_MALFORMED, agent.TOOL_UNKNOWN, agent.TOOL_OVER_LIMIT}
+    assert agent.TOOL_OK == 0
+    assert view_trajectory._TOOL_RETURNCODES[agent.TOOL_MALFORMED].startswith("arguments not")
+    assert view_trajectory._TOOL_RETURNCODES[agent.TOOL_UNKNOWN] == "unknown tool"
+
+
+def test_viewer_a_task_config_without_the_reference(text_a, tmp_path):
+    (text_a / "rag" / "r1" / "0" / "task_config.json").unlink()
+    out = tmp_path / "view"
+    assert view_trajectory.main([str(text_a), "--out", str(out), "--task", "rag/r1"]) == 0
+    page = (out / "episodes" / "rag__r1__0.html").read_text()
+    assert "not found (task_config.json missing or without one)" in page
+    # The metric and the question from the result line instead.
+    assert "<td>contains_answer (normalized)</td>" in page
+    assert '<pre class="instruction">Question r1: what is x &lt;y&gt;?</pre>' in page
+
+
+def test_viewer_desktop_pages_are_unchanged_next_to_text_episodes(run_a, tmp_path):
+    before = tmp_path / "before"
+    assert view_trajectory.main([str(run_a), "--out", str(before)]) == 0
+    make_text_run(tmp_path, "run_a", TEXT_A, into=run_a)
+    after = tmp_path / "after"
+    assert view_trajectory.main([str(run_a), "--out", str(after)]) == 0
+    pages = sorted(p.name for p in (before / "episodes").glob("*.html"))
+    assert len(pages) == len(RUN_A)
+    for name in pages:
+        assert (after / "episodes" / name).read_text() == (before / "episodes" / name).read_text()
+    assert len(list((after / "episodes").glob("*.html"))) == len(RUN_A) + len(TEXT_A)
+    # The index: the desktop rows as before, the text scores above the table.
+    index_before, index_after = ((d / "index.html").read_text() for d in (before, after))
+    assert "Text benchmarks" not in index_before and "Text benchmarks" in index_after
+    for row in re.findall(r'<tr data-task="(?:chrome|gimp|os)/.*?</tr>', index_before):
+        assert row in index_after
+
+
+def test_experiment_stats_text_section(text_a, text_b, run_a, tmp_path, capsys):
+    stats = _json_of(capsys, experiment_result_stats.main, [str(text_a), str(text_b), "--json"])
+    text = stats["text"]
+    assert text["runs"] == ["text_a", "text_b"]
+    assert list(text["benchmarks"]) == ["math", "py", "rag"]
+    math_row = text["benchmarks"]["math"]
+    assert math_row["scores"] == [pytest.approx(1 / 3), 1.0]
+    assert math_row["episodes"] == [3, 3]
+    assert math_row["mean"] == pytest.approx(2 / 3)
+    assert math_row["std"] == pytest.approx((2 / 3) / math.sqrt(2))  # n - 1
+    assert text["benchmarks"]["py"]["scores"] == [1.0, 0.5]
+    assert text["benchmarks"]["rag"]["std"] == pytest.approx(0.0)
+    assert list(text["modes"]) == ["math", "py", "rag"]
+    assert list(text["metrics"]) == ["contains_answer", "numeric_match"]
+    assert text["metrics"]["numeric_match"]["scores"] == [pytest.approx(0.5), pytest.approx(0.8)]
+    assert text["all"]["mean"] == pytest.approx((0.6 + 5 / 6) / 2)
+    assert text["all"]["std"] == pytest.approx((5 / 6 - 0.6) / math.sqrt(2))
+
+    assert experiment_result_stats.main([str(text_a), str(text_b)]) == 0
+    out = capsys.readouterr().out
+    assert "text benchmarks: score across 2 runs" in out
+    table = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+             for line in out.split("text benchmarks")[1].splitlines()
+             if line.startswith("│")}  # fmt: skip
+    assert table["math"] == ["33.3%", "100.0%", "66.7%", "47.1%"]
+    assert table["mode py"] == ["100.0%", "50.0%", "75.0%", "35.4%"]
+    assert table["metric numeric_match"] == ["50.0%", "80.0%", "65.0%", "21.2%"]
+    assert table["all"] == ["60.0%", "83.3%", "71.7%", "16.5%"]
+
+    # A desktop run next to a text run: no text score for it, none in the mean.
+    stats = _json_of(capsys, experiment_result_stats.main, [str(run_a), str(text_a), "--json"])
+    assert stats["text"]["benchmarks"]["math"]["scores"] == [None, pytest.approx(1 / 3)]
+    assert stats["text"]["benchmarks"]["math"]["episodes"] == [0, 3]
+    assert stats["text"]["all"]["mean"] == pytest.approx(0.6)
+    assert stats["text"]["all"]["std"] is None
+
+
+def test_experiment_stats_without_text_episodes_has_no_text_section(run_a, run_b, capsys):
+    stats = _json_of(capsys, experiment_result_stats.main, [str(run_a), str(run_b), "--json"])
+    assert "text" not in stats
+    assert experiment_result_stats.main([str(run_a), str(run_b)]) == 0
+    assert "text benchmarks" not in capsys.readouterr().out
+
+
+def test_compare_text_runs_scores_and_changed_items(text_a, text_b, tmp_path, capsys):
+    out = tmp_path / "changes.jsonl"
+    assert compare_exp_result.main([str(text_a), str(text_b), "-o", str(out)]) == 0
+    summary = capsys.readouterr().out
+    changes = [json.loads(line) for line in out.read_text().splitlines()]
+    # By the text score: math/m2/0's infra error counts 0, so infra_error -> success is
+    # b_better; py/p1/1 was cancelled in A (no score): status_changed.
+    assert [(c["change"], c["key"], c["delta"]) for c in changes] == [
+        ("a_better", "py/p1/0", -1.0),
+        ("b_better", "math/m1/1", 1.0),
+        ("b_better", "math/m2/0", 1.0),
+        ("status_changed", "py/p1/1", None),
+    ]
+    m2 = changes[2]
+    assert (m2["status_a"], m2["reward_a"], m2["status_b"], m2["reward_b"]) == (
+        "infra_error", 0.0, "success", 1.0)  # fmt: skip
+    assert list(m2)[-3:] == ["metric", "answer_a", "answer_b"]
+    assert (m2["metric"], m2["answer_a"], m2["answer_b"]) == ("numeric_match", None, "7")
+    assert (changes[0]["answer_a"], changes[0]["answer_b"]) == ("832040", "0")
+    # The summary: the scores A vs B per benchmark and the text items whose score changed.
+    rows = {line.split("│")[1].strip(): [c.strip() for c in line.split("│")[2:-1]]
+            for line in summary.split("text benchmarks: score")[1].splitlines()
+            if line.startswith("│")}  # fmt: skip
+    assert rows["math"] == ["33.3%", "100.0%", "+66.7 pp", "3", "3"]
+    assert rows["py"] == ["100.0%", "50.0%", "-50.0 pp", "1", "2"]
+    assert rows["rag"] == ["100.0%", "100.0%", "+0.0 pp", "1", "1"]
+    assert rows["all"] == ["60.0%", "83.3%", "+23.3 pp", "5", "6"]
+    listed = summary.split("text items whose score changed: 3")[1]
+    assert "  a_better: py/p1/0 1 -> 0  Question p1: what is x <y>?" in listed
+    assert '      answer "832040" -> "0"' in listed
+    assert '  b_better: math/m2/0 0 -> 1' in listed and '      answer (none) -> "7"' in listed
+    # Listed once: not again with the desktop items.
+    assert summary.count("py/p1/0") == 1
+
+    # Per task, to CSV: the task's score is the mean over its rollouts (cancelled left out).
+    out_csv = tmp_path / "tasks.csv"
+    assert compare_exp_result.main([str(text_a), str(text_b), "--by", "task",
+                                    "-o", str(out_csv)]) == 0  # fmt: skip
+    rows = list(csv.DictReader(out_csv.read_text().splitlines()))
+    assert list(rows[0])[-3:] == ["metric", "answer_a", "answer_b"]
+    got = {r["key"]: (r["change"], float(r["reward_a"]), float(r["reward_b"])) for r in rows}
+    assert got == {"py/p1": ("a_better", 1.0, 0.5), "math/m1": ("b_better", 0.5, 1.0),
+                   "math/m2": ("b_better", 0.0, 1.0)}  # fmt: skip
+    assert {r["answer_a"] for r in rows} == {""}
+    assert "text items whose score changed: 3" in capsys.readouterr().out
+
+
+def test_compare_without_text_episodes_is_unchanged(run_a, run_b, tmp_path, capsys):
+    out_jsonl, out_csv = tmp_path / "c.jsonl", tmp_path / "c.csv"
+    assert compare_exp_result.main([str(run_a), str(run_b), "-o", str(out_jsonl)]) == 0
+    summary = capsys.readouterr().out
+    assert "text benchmarks" not in summary and "text items" not in summary
+    assert "  a_better: chrome/t1/0 1 -> 0  Do the thing of t1" in summary
+    for line in out_jsonl.read_text().splitlines():
+        assert tuple(json.loads(line)) == compare_exp_result.FIELDS
+    assert compare_exp_result.main([str(run_a), str(run_b), "-o", str(out_csv)]) == 0
+    assert out_csv.read_text().splitlines()[0] == ",".join(compare_exp_result.FIELDS)
+
+
+
 # --------------------------------------------------------------------------- plots
 
 
