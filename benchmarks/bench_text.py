@@ -9,8 +9,9 @@ Each run repeats its mode's demo benchmark (``tasks/text_demo/<mode>.jsonl``) ``
 times per item; ``--latency-s`` adds a model latency per reply (the scripted policy answers at
 once by default, so the figure is the service's and the tools' own cost). Episodes per minute
 are counted over the window from the first episode's start to the last one's end
-(results.jsonl), so Ray's start-up is left out; tool seconds are the mean per call from the
-episodes' traj.jsonl. Prints a table; ``--json`` writes it.
+(results.jsonl), so Ray's start-up is left out; tool seconds are the mean and median per call
+from the episodes' traj.jsonl (py's demo includes a runaway loop killed at the 5 s limit).
+Prints a table; ``--json`` writes it.
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def run_mode(mode: str, rollouts: int, concurrency: int, latency_s: float,
         "mean_episode_s": round(statistics.fmean(r["duration_s"] for r in records), 3),
         "tool_calls": len(tool_s),
         "mean_tool_s": round(statistics.fmean(tool_s), 4) if tool_s else None,
+        "median_tool_s": round(statistics.median(tool_s), 4) if tool_s else None,
         "window_s": round(last - first, 1), "wall_s": round(wall, 1),
     }
 
@@ -88,11 +90,13 @@ def main(argv: list[str] | None = None) -> int:
                                  Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)
     print(f"\n{'mode':6} {'episodes':>8} {'success':>7} {'ep/min':>8} {'turns/s':>8} "
-          f"{'episode s':>9} {'tool calls':>10} {'tool s':>8}")
+          f"{'episode s':>9} {'tool calls':>10} {'tool s':>8} {'median':>8}")
     for r in rows:
         tool = "-" if r["mean_tool_s"] is None else f"{r['mean_tool_s']:.4f}"
+        median = "-" if r["median_tool_s"] is None else f"{r['median_tool_s']:.4f}"
         print(f"{r['mode']:6} {r['episodes']:8} {r['success']:7} {r['episodes_per_min']:8} "
-              f"{r['turns_per_s']:8} {r['mean_episode_s']:9} {r['tool_calls']:10} {tool:>8}")
+              f"{r['turns_per_s']:8} {r['mean_episode_s']:9} {r['tool_calls']:10} {tool:>8} "
+              f"{median:>8}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=2))
     return 0
