@@ -118,6 +118,19 @@ def desktop_image(profile: str = "demo") -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def run_py_command(config: Path, output_dir: Path, *sets: str) -> list[str]:
+    """``run.py`` as a user runs it on ``config``, its results under ``output_dir``, without
+    the dashboard, a metrics sample a second, and ``sets`` (``key=value``) after."""
+    import sys
+
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(config),
+            "--set", f"run.output_dir={output_dir}", "--set", "ray.include_dashboard=false",
+            "--set", "monitoring.metrics_interval_s=1"]
+    for s in sets:
+        args += ["--set", s]
+    return args
+
+
 def run_results(run_dir: Path) -> list[dict[str, Any]]:
     """The records of a run's results.jsonl."""
     import json

@@ -9,7 +9,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -21,7 +20,7 @@ import pytest
 
 from rollout.files import DirectoryLock
 from rollout.layout import RUN_LOCK_FILE
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, run_py_command
 
 ROOT = REPO_ROOT
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -32,14 +31,8 @@ RUN_TIMEOUT_S = 420
 
 
 def _command(tmp: Path, *sets: str) -> list[str]:
-    args = [sys.executable, str(ROOT / "run.py"), "--config", str(DEMO),
-            "--set", f"run.output_dir={tmp / 'results'}",
-            "--set", f"desktops.local.state_dir={tmp / 'desktops'}",
-            "--set", "ray.include_dashboard=false",
-            "--set", "monitoring.metrics_interval_s=1"]
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return run_py_command(DEMO, tmp / "results", f"desktops.local.state_dir={tmp / 'desktops'}",
+                          *sets)
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:

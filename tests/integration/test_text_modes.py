@@ -16,20 +16,14 @@ from typing import Any
 import pytest
 
 from rollout.testing.fake_openai import FakeOpenAIServer
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, run_py_command
 
 TEXT_DEMO = REPO_ROOT / "configs" / "text_demo.yaml"
 
 
 def _command(tmp: Path, config: Path = TEXT_DEMO, *sets: str) -> list[str]:
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(config),
-            "--set", f"run.output_dir={tmp / 'results'}",
-            "--set", f"text.rag.cache_dir={tmp / 'rag-cache'}",
-            "--set", "ray.include_dashboard=false",
-            "--set", "monitoring.metrics_interval_s=1"]
-    for s in sets:
-        args += ["--set", s]
-    return args
+    return run_py_command(config, tmp / "results", f"text.rag.cache_dir={tmp / 'rag-cache'}",
+                          *sets)
 
 
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
