@@ -32,7 +32,7 @@ from rollout.results import (
     selection_json,
     version_order,
 )
-from rollout.results.text import text_summary
+from rollout.results.text import labelled_rows, text_summary
 from rollout.types import STATUSES
 
 __all__ = ["main"]
@@ -250,15 +250,11 @@ def _print_text_table(text: dict[str, Any], console: Any) -> None:
         table.add_row(Text(name), *(fmt_rate(v) for v in row["scores"]), fmt_rate(row["mean"]),
                       fmt_rate(row["std"]), style=style)  # fmt: skip
 
-    for name, row in text["benchmarks"].items():
-        add(name, row)
-    table.add_section()
-    for name, row in text["modes"].items():
-        add(f"mode {name}", row, "cyan")
-    for name, row in text["metrics"].items():
-        add(f"metric {name}", row, "magenta")
-    table.add_section()
-    add("all", text["all"], "bold")
+    for label, row, style in labelled_rows(text):
+        if row is None:
+            table.add_section()
+        else:
+            add(label, row, style)
     console.print(table)
     console.print(
         "score: the mean of the answer metric over every final text episode (an infra error "

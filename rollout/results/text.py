@@ -24,13 +24,13 @@ from __future__ import annotations
 import statistics
 import sys
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from rollout.results.cli import fmt_float, fmt_rate
 from rollout.results.runs import Episode
 
-__all__ = ["print_text_table", "text_summary"]
+__all__ = ["labelled_rows", "print_text_table", "text_summary"]
 
 _FINAL_EXCLUDED = ("cancelled",)
 
@@ -88,6 +88,22 @@ def text_summary(episodes: Iterable[Episode]) -> dict[str, Any] | None:
     }}
 
 
+def labelled_rows(rows: dict[str, Any]
+                  ) -> Iterator[tuple[str, dict[str, Any] | None, str | None]]:
+    """The rows of a text section in the tables' order, as (label, row, style): each
+    benchmark, then ``mode M`` and ``metric X``, then ``all``; a row of None is a section
+    break."""
+    for name, row in rows["benchmarks"].items():
+        yield name, row, None
+    yield "", None, None
+    for name, row in rows["modes"].items():
+        yield f"mode {name}", row, "cyan"
+    for name, row in rows["metrics"].items():
+        yield f"metric {name}", row, "magenta"
+    yield "", None, None
+    yield "all", rows["all"], "bold"
+
+
 def print_text_table(section: dict[str, Any], title: str = "text benchmarks") -> None:
     """The text section as a table: a row per benchmark, per mode, per metric, and all."""
     from rich.console import Console
@@ -113,16 +129,11 @@ def print_text_table(section: dict[str, Any], title: str = "text benchmarks") ->
                       f"{row['tool_errors']}/{row['malformed_calls']}/{row['unknown_tools']}",
                       style=style)
 
-    rows = section["rows"]
-    for name, row in rows["benchmarks"].items():
-        add(name, row)
-    table.add_section()
-    for name, row in rows["modes"].items():
-        add(f"mode {name}", row, "cyan")
-    for name, row in rows["metrics"].items():
-        add(f"metric {name}", row, "magenta")
-    table.add_section()
-    add("all", rows["all"], "bold")
+    for label, row, style in labelled_rows(section["rows"]):
+        if row is None:
+            table.add_section()
+        else:
+            add(label, row, style)
     console = Console() if sys.stdout.isatty() else Console(width=160)
     console.print(table)
     console.print("score: the mean of the answer metric over every final episode (an infra "
