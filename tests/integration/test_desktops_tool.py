@@ -96,7 +96,9 @@ def test_status_quarantine_and_release_on_a_live_run(tmp):
     results = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
     assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(
         (t, k) for t in tasks for k in range(2))
-    assert {r["status"] for r in results} == {"success"}
+    assert {r["status"] for r in results} == {"success"}, [
+        (r["task_id"], r["rollout"], r["attempt"], r["status"], r.get("error"))
+        for r in results if r["status"] != "success"]
     assert any(r["attempt"] > 0 for r in results)  # the episode whose desktop was taken
     # With no run alive, status says so.
     offline = _tool("status", sets=sets)
