@@ -239,6 +239,16 @@ class _Source(abc.ABC):
             self._cache[path] = cached
         return cached
 
+    def _scan_file(self, parse: Callable[[], _Parsed], wanted: _Wanted
+                   ) -> tuple[list[_Task], list[TaskProblem]]:
+        """A one-file source's wanted tasks and problems, parsed again only when the file's
+        signature changed."""
+        cached = self._cache.get(self.path)
+        if cached is None or cached.signature != _signature(self.path):
+            cached = parse()
+            self._cache[self.path] = cached
+        return [t for t in cached.tasks if wanted(t.domain, t.task_id)], list(cached.problems)
+
     @abc.abstractmethod
     def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
         """The source's tasks (in source order) and its problems, as they are now."""
@@ -305,12 +315,7 @@ class _JsonlSource(_Source):
     """A JSONL file, one task per line; domain from the task's ``domain`` or ``default``."""
 
     def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        signature = _signature(self.path)
-        cached = self._cache.get(self.path)
-        if cached is None or cached.signature != signature:
-            cached = _parse_jsonl(self.path)
-            self._cache[self.path] = cached
-        return [t for t in cached.tasks if wanted(t.domain, t.task_id)], list(cached.problems)
+        return self._scan_file(lambda: _parse_jsonl(self.path), wanted)
 
 
 class _DirectorySource(_Source):
@@ -394,12 +399,7 @@ class _BenchmarkSource(_Source):
         return _Parsed(signature, tasks, problems)
 
     def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        signature = _signature(self.path)
-        cached = self._cache.get(self.path)
-        if cached is None or cached.signature != signature:
-            cached = self._parse()
-            self._cache[self.path] = cached
-        return [t for t in cached.tasks if wanted(t.domain, t.task_id)], list(cached.problems)
+        return self._scan_file(self._parse, wanted)
 
 
 class _Sources(_Source):

@@ -345,14 +345,8 @@ def episode_page(
     timing = episode.record.get("timing")
     if isinstance(timing, dict):
         facts.append(("timing s", ", ".join(f"{k} {v}" for k, v in timing.items())))
-    head = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)
-    parts = [
-        '<p><a href="../index.html">&larr; all episodes</a></p>',
-        f'<h1 class="st-{_e(episode.status)}">{_e(episode.episode_id)}</h1>',
-        f'<p class="instruction">{_e(episode.instruction)}</p>',
-        f'<table class="episode">{head}</table>',
-    ]
-    parts += [f'<p class="warn">{_e(p)}</p>' for p in problems]
+    parts = _page_top(episode, f'<p class="instruction">{_e(episode.instruction)}</p>',
+                      facts, problems)
     if not lines:
         parts.append('<p class="warn">no steps recorded (traj.jsonl missing or empty)</p>')
     for i, line in enumerate(lines):
@@ -532,7 +526,6 @@ def text_episode_page(episode: Episode, lines: list[dict[str, Any]],
     timing = episode.record.get("timing")
     if isinstance(timing, dict):
         facts.append(("timing s", ", ".join(f"{k} {v}" for k, v in timing.items())))
-    head = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)
     answer = text.get("answer")
     if "answer" in task:
         reference = f'<pre class="reference">{_e(_reference(task["answer"]))}</pre>'
@@ -550,13 +543,8 @@ def text_episode_page(episode: Episode, lines: list[dict[str, Any]],
         + (f" ({_e(variant)})" if variant else "")
         + f'</td></tr><tr class="st-{_e(episode.status)}"><th>score</th><td>{_e(score)}</td></tr>'
     )  # fmt: skip
-    parts = [
-        '<p><a href="../index.html">&larr; all episodes</a></p>',
-        f'<h1 class="st-{_e(episode.status)}">{_e(episode.episode_id)}</h1>',
-        f'<h2>Question</h2><pre class="instruction">{_e(question or episode.instruction)}</pre>',
-        f'<table class="episode">{head}</table>',
-    ]
-    parts += [f'<p class="warn">{_e(p)}</p>' for p in problems]
+    parts = _page_top(episode, f'<h2>Question</h2><pre class="instruction">'
+                               f'{_e(question or episode.instruction)}</pre>', facts, problems)
     parts.append(f'<section class="answer"><h2>Answer</h2>'
                  f'<table class="answer">{answer_rows}</table></section>')  # fmt: skip
     messages = _read_json(episode, MESSAGES_FILE)
@@ -569,6 +557,20 @@ def text_episode_page(episode: Episode, lines: list[dict[str, Any]],
     for i, line in enumerate(lines):
         parts.append(_turn(line, line.get("step_num", i + 1)))
     return _page(episode.episode_id, "\n".join(parts), css=_TEXT_CSS)
+
+
+def _page_top(episode: Any, statement: str, facts: list[tuple[str, Any]],
+              problems: list[str]) -> list[str]:
+    """An episode page's top: the way back, its id (coloured by status), the task's
+    statement (HTML), its facts (those that are not None) and the problems reading it."""
+    head = "".join(f"<tr><th>{_e(k)}</th><td>{_e(v)}</td></tr>" for k, v in facts if v is not None)
+    return [
+        '<p><a href="../index.html">&larr; all episodes</a></p>',
+        f'<h1 class="st-{_e(episode.status)}">{_e(episode.episode_id)}</h1>',
+        statement,
+        f'<table class="episode">{head}</table>',
+        *(f'<p class="warn">{_e(p)}</p>' for p in problems),
+    ]
 
 
 def _plots_section(plots: list[str]) -> str:
