@@ -670,7 +670,6 @@ class _TextEpisode(_Episode):
         super().__init__(runner, spec, avoid)
         self.counts = AgentCounts()
         self.answer: str | None = None
-        self.turns = 0
 
     def _enter(self, phase: str | None) -> None:
         pass  # the utilization clocks count desktops' time; a text episode holds none
@@ -711,7 +710,7 @@ class _TextEpisode(_Episode):
                                   logprobs=sampling.logprobs)
         reply = read_reply(generation.text, generation.tool_calls,
                            answer_tool=text_cfg.final_answer_tool)
-        self.steps = self.turns = turn
+        self.steps = turn  # a turn is a step
         self.pending_record = record
         env_started = time.monotonic()
         ended = not reply.calls and reply.answer_problem is None
@@ -789,7 +788,7 @@ class _TextEpisode(_Episode):
             answer = answer[:_ANSWER_RECORD_CHARS] + "…"
         out.text = {"mode": self.task.get("mode"), "benchmark": self.task.get("benchmark"),
                     "metric": metric, "variant": variant, "answer": answer,
-                    "turns": self.turns, **self.counts.record()}
+                    "turns": self.steps, **self.counts.record()}
         return out
 
 
