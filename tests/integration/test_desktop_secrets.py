@@ -149,6 +149,14 @@ async def open_terminal_and_type_env(env: RemoteDesktopEnv, title: str, command:
 
     await poll(shown, f"xterm window {title!r}")
     await env.activate_window(title, strict=True)
+
+    # wmctrl only asks the window manager to activate; keys typed before it has done so go
+    # elsewhere (seen once in CI on a loaded machine), so type once the xterm has the focus.
+    async def focused() -> bool:
+        reply = await env.execute(["xdotool", "getactivewindow", "getwindowname"])
+        return reply["output"].strip() == title
+
+    await poll(focused, f"the focus on xterm window {title!r}")
     reply = f"Thought: show the environment\nAction: type(content='{command}\\n')"
     code = to_pyautogui(parse_response(reply, SCREEN_W, SCREEN_H).actions)
     result = await env.step(code)
