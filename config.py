@@ -867,9 +867,23 @@ class WebToolConfig(_Section):
     max_page_chars: PositiveInt = 8000
     """Of a page's text returned to the model."""
     max_redirects: NonNegInt = 5
+    allow_private: bool = False
+    """Let search and fetch reach loopback, private, link-local and other non-public
+    addresses. Off: the model cannot read the machine's or its network's own services through
+    ``fetch`` (the search backend's own host and port are always reachable)."""
+    allow_hosts: list[str] = []
+    """Non-public hosts the tools may reach all the same: ``host`` (any port),
+    ``host:port`` or a CIDR network (``10.1.0.0/16``)."""
 
     @model_validator(mode="after")
     def _where(self) -> WebToolConfig:
+        if self.allow_hosts:
+            from rollout.text.web import AddressPolicy
+
+            try:
+                AddressPolicy(self.allow_hosts)
+            except ConfigError as exc:  # names the malformed entry
+                raise ValueError(str(exc)) from None
         if self.serve_corpus is not None and self.search_url is not None:
             raise ValueError("text.web.serve_corpus serves the run's own corpus and sets the "
                              "search URL: it excludes text.web.search_url")

@@ -152,7 +152,8 @@ def web_settings(cfg: TextConfig, search_url: str | None = None) -> Any:
     return WebSettings(backend=web.backend, search_url=url, api_key_env=web.api_key_env,
                        top_k=web.top_k, request_timeout_s=web.request_timeout_s,
                        max_page_bytes=web.max_page_bytes, max_page_chars=web.max_page_chars,
-                       max_redirects=web.max_redirects)
+                       max_redirects=web.max_redirects, allow_private=web.allow_private,
+                       allow_hosts=tuple(web.allow_hosts))
 
 
 def check_text_modes(cfg: Any) -> None:

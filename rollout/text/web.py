@@ -39,6 +39,18 @@ courlan, htmldate and justext and drops the content of short pages; BeautifulSou
 selectolax is imported on first use, so the settings and backends load without the ``text``
 extra.
 
+Addresses (``AddressPolicy``): the model chooses what ``fetch`` reads, so by default the tools
+reach public addresses only. Every connection's host is resolved and each address checked as
+the socket is opened (the client's network backend, so a redirect or a name that resolves to
+an internal address is caught at the hop that meets it, and the checked address is the one
+connected to: a name cannot resolve to a public address for the check and a private one for
+the connection). Loopback, private, link-local (cloud metadata at 169.254.169.254 included),
+shared, reserved, multicast and unspecified addresses, and IPv6 forms of them, are refused
+unless ``allow_private`` is set or ``allow_hosts`` names them (a host, ``host:port`` or a
+CIDR network). The search backend's own ``search_url`` host and port are always allowed: a
+corpus server's pages are fetched from it. A guarded client ignores proxy variables
+(``HTTP_PROXY`` and friends): through a proxy the guard would check the proxy, not the page.
+
 The tools share one ``httpx2.AsyncClient`` per environment: pass the environment's client
 (:func:`make_client`) to each, or let a tool make its own, which its ``close`` then closes.
 """
@@ -48,14 +60,17 @@ from __future__ import annotations
 import asyncio
 import codecs
 import html
+import ipaddress
 import json
 import os
 import re
-from collections.abc import Mapping
+import socket
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, runtime_checkable
 from urllib.parse import urljoin, urlsplit
 
+import httpcore2
 import httpx2
 
 from rollout.errors import ConfigError, ToolError, ToolUnavailable
@@ -65,6 +80,7 @@ from rollout.text.tools import ToolSpec, check_arguments
 __all__ = [
     "BACKENDS",
     "MAX_TOP_K",
+    "AddressPolicy",
     "BraveSearch",
     "CorpusSearch",
     "FetchTool",
@@ -109,6 +125,11 @@ class WebSettings:
     max_page_chars: int = 8000
     allowed_schemes: tuple[str, ...] = ("http", "https")
     max_redirects: int = 5
+    allow_private: bool = False
+    """Let the tools reach loopback, private and other non-public addresses."""
+    allow_hosts: tuple[str, ...] = ()
+    """Non-public hosts the tools may reach all the same: ``host``, ``host:port`` or a CIDR
+    network (``10.1.0.0/16``); see ``AddressPolicy``."""
 
 
 @dataclass(frozen=True)
@@ -132,13 +153,159 @@ class SearchBackend(Protocol):
 
 def make_client(settings: WebSettings) -> httpx2.AsyncClient:
     """The client an environment's web tools share: the settings' timeout, redirects left to
-    the tools, the process's TLS context."""
+    the tools, the process's TLS context, and the settings' ``AddressPolicy`` checked on every
+    connection (unless ``allow_private``)."""
+    policy = AddressPolicy.of(settings)
     return httpx2.AsyncClient(
         timeout=httpx2.Timeout(settings.request_timeout_s),
         follow_redirects=False,
         verify=ssl_context(),
         headers={"User-Agent": USER_AGENT},
+        transport=None if policy is None else _GuardedTransport(policy),
     )
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+def _non_public(address: ipaddress.IPv4Address | ipaddress.IPv6Address) -> str | None:
+    """What kind of non-public address ``address`` is, or None for a public one."""
+    if isinstance(address, ipaddress.IPv6Address):
+        embedded = address.ipv4_mapped or address.sixtofour or (
+            address.teredo[1] if address.teredo else None)
+        if embedded is not None:
+            return _non_public(embedded)
+        if address in _NAT64:  # the IPv4 address in its last 32 bits
+            return _non_public(ipaddress.IPv4Address(int(address) & 0xFFFFFFFF))
+    for kind in ("loopback", "unspecified", "link_local", "multicast", "reserved", "private"):
+        if getattr(address, f"is_{kind}"):
+            return kind.replace("_", "-")
+    if not address.is_global:
+        return "non-public"  # shared (100.64/10) and other special-purpose ranges
+    return None
+
+
+_NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
+
+
+class AddressPolicy:
+    """Which addresses the web tools may connect to: public ones; non-public ones only when
+    ``allow_hosts`` names them, by host name or address (any port), ``host:port`` or CIDR
+    network, or when they are ``search_url``'s host and port. Raises ``ConfigError`` naming a
+    malformed entry."""
+
+    def __init__(self, allow_hosts: Iterable[str] = (), *,
+                 search_url: str | None = None) -> None:
+        self.hosts: set[tuple[str, int | None]] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in allow_hosts:
+            self._add(entry)
+        if search_url:
+            parts = urlsplit(search_url)
+            if parts.hostname:
+                default = 443 if parts.scheme == "https" else 80
+                self.hosts.add((parts.hostname.lower(), parts.port or default))
+
+    @classmethod
+    def of(cls, settings: WebSettings) -> AddressPolicy | None:
+        """The settings' policy; None when ``allow_private`` lets every address through."""
+        if settings.allow_private:
+            return None
+        return cls(settings.allow_hosts, search_url=settings.search_url)
+
+    def _add(self, entry: str) -> None:
+        text = entry.strip().lower()
+        try:
+            self.networks.append(ipaddress.ip_network(text, strict=False))
+            return
+        except ValueError:
+            pass
+        host, port = text, None
+        if text.startswith("["):  # [v6]:port
+            host, _, rest = text[1:].partition("]")
+            port = rest[1:] if rest.startswith(":") else rest or None
+        elif text.count(":") == 1:
+            host, port = text.split(":")
+        if port is not None and not (port.isdigit() and 0 < int(port) < 65536):
+            raise ConfigError(f"text.web.allow_hosts: {entry!r} has no valid port")
+        if not host or not re.fullmatch(r"[a-z0-9._:-]+", host) or host.startswith(("-", ".")):
+            raise ConfigError(f"text.web.allow_hosts: {entry!r} is not a host, host:port or "
+                              "CIDR network")
+        self.hosts.add((host, int(port) if port else None))
+
+    def _named(self, name: str, port: int) -> bool:
+        name = name.lower().strip("[]").rstrip(".")
+        return (name, port) in self.hosts or (name, None) in self.hosts
+
+    def refusal(self, host: str, port: int, address: str) -> str | None:
+        """Why ``address`` (which ``host`` resolved to) may not be reached on ``port``, or
+        None when it may."""
+        try:
+            ip = ipaddress.ip_address(address.split("%", 1)[0])
+        except ValueError:
+            return f"{address} is not an IP address"
+        kind = _non_public(ip)
+        if kind is None or self._named(host, port) or self._named(str(ip), port):
+            return None
+        if any(ip.version == net.version and ip in net for net in self.networks):
+            return None
+        shown = host if host == address else f"{host} ({address})"
+        article = "an" if kind[0] in "aeiou" else "a"
+        return (f"{shown} is {article} {kind} address, which the web tools may not reach "
+                "(allow it with text.web.allow_hosts)")
+
+
+class _GuardedBackend(httpcore2.AsyncNetworkBackend):
+    """The network backend of a guarded client: resolves each connection's host, refuses the
+    addresses its policy refuses, and connects to a checked address itself."""
+
+    def __init__(self, policy: AddressPolicy) -> None:
+        self.policy = policy
+        self._inner = httpcore2.AnyIOBackend()
+
+    async def connect_tcp(self, host: str, port: int, timeout: float | None = None,
+                          local_address: str | None = None,
+                          socket_options: Iterable[Any] | None = None,
+                          ) -> httpcore2.AsyncNetworkStream:
+        try:
+            infos = await asyncio.get_running_loop().getaddrinfo(
+                host, port, type=socket.SOCK_STREAM)
+        except (OSError, UnicodeError) as exc:
+            raise httpcore2.ConnectError(f"cannot resolve {host}: {exc}") from exc
+        addresses = list(dict.fromkeys(str(info[4][0]) for info in infos))
+        refusals = [self.policy.refusal(host, port, a) for a in addresses]
+        allowed = [a for a, why in zip(addresses, refusals, strict=True) if why is None]
+        if not allowed:
+            raise httpcore2.ConnectError(next(why for why in refusals if why))
+        failure: Exception | None = None
+        for address in allowed:
+            try:
+                return await self._inner.connect_tcp(address, port, timeout, local_address,
+                                                     socket_options)
+            except (httpcore2.ConnectError, httpcore2.ConnectTimeout) as exc:
+                failure = exc
+        assert failure is not None
+        raise failure
+
+    async def connect_unix_socket(self, path: str, timeout: float | None = None,
+                                  socket_options: Iterable[Any] | None = None,
+                                  ) -> httpcore2.AsyncNetworkStream:
+        raise httpcore2.ConnectError("the web tools do not connect to Unix sockets")
+
+    async def sleep(self, seconds: float) -> None:
+        await self._inner.sleep(seconds)
+
+
+class _GuardedTransport(httpx2.AsyncHTTPTransport):
+    """httpx2's transport over a connection pool whose network backend is a
+    ``_GuardedBackend`` (the transport takes no backend, its pool does); proxies from the
+    environment are not used (the guard would check the proxy's address, not the page's)."""
+
+    def __init__(self, policy: AddressPolicy) -> None:
+        super().__init__(verify=ssl_context(), trust_env=False)
+        self._pool = httpcore2.AsyncConnectionPool(
+            ssl_context=ssl_context(), max_connections=100, max_keepalive_connections=20,
+            keepalive_expiry=5.0, network_backend=_GuardedBackend(policy))
 
 
 # --------------------------------------------------------------------------- HTML to text

@@ -7,6 +7,7 @@ shape. No HTTP is mocked."""
 from __future__ import annotations
 
 import asyncio
+import re
 import shutil
 import socket
 import tempfile
@@ -24,6 +25,7 @@ from rollout.errors import ConfigError, ToolError
 from rollout.http import ThreadedServer
 from rollout.text.tools import Tool
 from rollout.text.web import (
+    AddressPolicy,
     CorpusSearch,
     FetchTool,
     SearchTool,
@@ -100,7 +102,7 @@ def fault(faulty: WebCorpusServer) -> Iterator[WebCorpusServer]:
 
 @pytest.fixture
 async def client() -> AsyncIterator[httpx2.AsyncClient]:
-    c = make_client(WebSettings())
+    c = make_client(WebSettings(allow_hosts=("127.0.0.1",)))  # the test servers
     try:
         yield c
     finally:
@@ -424,6 +426,10 @@ class Stub(ThreadedServer):
         async def to_file() -> Response:
             return RedirectResponse("file:///etc/passwd")
 
+        @app.get("/to")
+        async def to(url: str) -> Response:
+            return RedirectResponse(url)
+
         @app.get("/plain")
         async def plain() -> Response:
             return Response("Arrived\nafter redirects", media_type="text/plain")
@@ -549,7 +555,7 @@ async def test_binary_labelled_text_is_refused(stub: Stub, client: httpx2.AsyncC
 
 async def test_a_tool_without_a_client_owns_and_closes_its_own(server: WebCorpusServer) -> None:
     search = SearchTool(settings(server.url))
-    fetch = FetchTool(WebSettings())
+    fetch = FetchTool(settings(server.url))
     assert entries(await search({"query": "volcano"}))
     assert (await fetch({"url": server.page_url("plain.txt")})).startswith("Plain page")
     for tool in (search, fetch):
@@ -557,3 +563,100 @@ async def test_a_tool_without_a_client_owns_and_closes_its_own(server: WebCorpus
         await tool.close()  # twice is fine
     assert isinstance(search.backend, CorpusSearch) and search.backend.client.is_closed
     assert fetch.client.is_closed
+
+
+# --------------------------------------------------------------------------- addresses
+
+
+@pytest.mark.parametrize(("address", "kind"), [
+    ("127.0.0.1", "a loopback"), ("127.8.9.10", "a loopback"), ("::1", "a loopback"),
+    ("10.0.0.1", "a private"), ("172.16.5.4", "a private"), ("192.168.1.1", "a private"),
+    ("169.254.169.254", "a link-local"), ("fe80::1", "a link-local"),
+    ("0.0.0.0", "an unspecified"), ("::", "an unspecified"), ("224.0.0.1", "a multicast"),
+    ("ff02::1", "a multicast"), ("fd00::1", "a private"), ("100.64.0.1", "a non-public"),
+    ("240.0.0.1", "a reserved"),
+    # IPv6 spellings of IPv4 addresses: mapped, 6to4, NAT64
+    ("::ffff:127.0.0.1", "a loopback"), ("::ffff:10.1.2.3", "a private"),
+    ("2002:7f00:1::", "a loopback"), ("64:ff9b::a9fe:a9fe", "a link-local"),
+])
+def test_non_public_addresses_are_refused_by_default(address: str, kind: str) -> None:
+    why = AddressPolicy().refusal("some.host", 80, address)
+    assert why is not None and f"is {kind} address" in why and "allow_hosts" in why
+
+
+@pytest.mark.parametrize("address", ["8.8.8.8", "93.184.216.34", "2001:4860:4860::8888",
+                                     "::ffff:8.8.8.8", "64:ff9b::808:808"])
+def test_public_addresses_are_allowed(address: str) -> None:
+    assert AddressPolicy().refusal("some.host", 443, address) is None
+
+
+def test_allow_hosts_by_name_address_port_and_network() -> None:
+    policy = AddressPolicy(["intranet.lab", "10.1.0.0/16", "127.0.0.1:8080", "[::1]:9000",
+                            "Wiki.Local:81"], search_url="http://127.0.0.1:7000/api")
+    assert policy.refusal("intranet.lab", 1234, "10.9.9.9") is None  # the name, any port
+    assert policy.refusal("other.lab", 80, "10.1.200.3") is None  # in the network
+    assert policy.refusal("other.lab", 80, "10.2.0.1") is not None
+    assert policy.refusal("127.0.0.1", 8080, "127.0.0.1") is None
+    assert policy.refusal("127.0.0.1", 8081, "127.0.0.1") is not None  # another port
+    assert policy.refusal("::1", 9000, "::1") is None
+    assert policy.refusal("wiki.local", 81, "192.168.0.2") is None  # case-insensitive
+    assert policy.refusal("127.0.0.1", 7000, "127.0.0.1") is None  # search_url's host:port
+    assert policy.refusal("127.0.0.1", 7001, "127.0.0.1") is not None
+
+
+@pytest.mark.parametrize("entry", ["bad host", "host:0", "host:99999", "host:http", "",
+                                   "-x.lab", "a/b"])
+def test_a_malformed_allow_hosts_entry_is_a_config_error(entry: str) -> None:
+    with pytest.raises(ConfigError, match=r"text\.web\.allow_hosts"):
+        AddressPolicy([entry])
+
+
+def test_a_malformed_allow_hosts_entry_fails_the_config_naming_it() -> None:
+    from config import Config
+
+    with pytest.raises(ValueError, match=r"allow_hosts.*'bad host'"):
+        Config.model_validate({"text": {"web": {"allow_hosts": ["ok.lab", "bad host"]}}})
+
+
+async def test_fetch_reaches_only_public_addresses_and_its_search_servers_port(
+        server: WebCorpusServer, faulty: WebCorpusServer) -> None:
+    """A default client: the corpus server is reached on its own port only; loopback by name,
+    the other server's port, link-local and private addresses are refused before connecting,
+    naming why; ``allow_private`` lets them through."""
+    guarded = FetchTool(settings(server.url))
+    try:
+        assert (await guarded({"url": server.page_url("plain.txt")})).startswith("Plain page")
+        other = faulty.page_url("plain.txt")
+        refused = {
+            other: "127.0.0.1 is a loopback address",
+            other.replace("127.0.0.1", "localhost"): "localhost (127.0.0.1) is a loopback",
+            "http://169.254.169.254/latest/meta-data/": "is a link-local address",
+            "http://10.255.0.1:8000/": "is a private address",
+            "http://[::ffff:127.0.0.1]:1/": "is a loopback address",
+        }
+        for url, why in refused.items():
+            started = time.monotonic()
+            with pytest.raises(ToolError, match=rf"could not load .*{re.escape(why)}.*allow_hosts"):
+                await guarded({"url": url})
+            assert time.monotonic() - started < 2.0  # refused, not timed out
+    finally:
+        await guarded.close()
+    open_ = FetchTool(WebSettings(allow_private=True))
+    try:
+        assert (await open_({"url": faulty.page_url("plain.txt")})).startswith("Plain page")
+    finally:
+        await open_.close()
+
+
+async def test_a_redirect_to_a_private_address_is_refused_at_that_hop(
+        stub: Stub, server: WebCorpusServer) -> None:
+    fetch = FetchTool(WebSettings(allow_hosts=(f"127.0.0.1:{stub.port}",)))
+    try:
+        assert await fetch({"url": stub.url + "/redirect/0"}) == "Arrived\nafter redirects"
+        target = server.page_url("plain.txt")  # same address, a port not allowed
+        with pytest.raises(ToolError, match=rf"could not load .*{server.port}.*loopback"):
+            await fetch({"url": f"{stub.url}/to?url={target}"})
+        with pytest.raises(ToolError, match="link-local"):
+            await fetch({"url": f"{stub.url}/to?url=http://169.254.169.254/"})
+    finally:
+        await fetch.close()

@@ -164,7 +164,8 @@ text:
         max_result_chars: 900, cache_dir: null}
   web: {backend: serper, search_url: "http://127.0.0.1:9/search", api_key_env: SERPER_KEY,
         serve_corpus: null, top_k: 2, request_timeout_s: 3, max_page_bytes: 1000,
-        max_page_chars: 500, max_redirects: 1}
+        max_page_chars: 500, max_redirects: 1, allow_private: false,
+        allow_hosts: [wiki.lab, "10.1.0.0/16"]}
 """
 
 
