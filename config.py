@@ -916,11 +916,20 @@ class TextConfig(_Section):
     system_prompt: str | None = None
     """Replaces the mode's system prompt (rollout/text/prompts.py)."""
     judge: ModelConfig | None = None
-    """The judge model of ``llm_judgement`` (its own endpoints, model and key variable);
-    null: the run's model (``model``)."""
+    """The judge model of ``llm_judgement`` (its own endpoints, ``name`` of the model they
+    serve, which must be given, and key variable); null: the run's model (``model``)."""
     py: PyToolConfig = PyToolConfig()
     rag: RagToolConfig = RagToolConfig()
     web: WebToolConfig = WebToolConfig()
+
+    @model_validator(mode="after")
+    def _judge_named(self) -> TextConfig:
+        # model.name's default is the UI-TARS model, which a judge's server rarely serves:
+        # a judge without a name would fail every judgement with "model not found".
+        if self.judge is not None and "name" not in self.judge.model_fields_set:
+            raise ValueError("text.judge.name is not set: name the model the judge's "
+                             "endpoints serve")
+        return self
 
 
 class MonitoringConfig(_Section):

@@ -449,3 +449,11 @@ def test_a_batch_cutoff_needs_the_batch_schedule():
     cfg = load_config(None, ["coordinator.schedule=batch", "coordinator.batch_cutoff=0.98",
                              "coordinator.batch_grace_s=30"])
     assert (cfg.coordinator.batch_cutoff, cfg.coordinator.batch_grace_s) == (0.98, 30)
+
+
+def test_a_judge_without_the_name_of_its_model_is_refused() -> None:
+    with pytest.raises(ValueError, match="text.judge.name is not set"):
+        Config.model_validate({"text": {"judge": {"endpoints": ["http://127.0.0.1:9"]}}})
+    named = Config.model_validate(
+        {"text": {"judge": {"endpoints": ["http://127.0.0.1:9"], "name": "judge-7b"}}})
+    assert named.text.judge is not None and named.text.judge.name == "judge-7b"
