@@ -644,6 +644,14 @@ class _Episode:
         self.r.background.spawn(self._finish(lease, healthy, status, error, False, reward))
 
 
+async def _close_when_made(opening: Awaitable[Any]) -> None:
+    """Close the environment ``opening`` makes, when it does (an episode cancelled while
+    its environment was being made)."""
+    with contextlib.suppress(Exception):
+        env = await opening
+        await env.close()
+
+
 async def _all_or_none(calls: list[Awaitable[StepResult]]) -> list[StepResult]:
     """Run a turn's tool calls concurrently; when one raises (a tool that cannot run, a
     cancel), the others are cancelled and awaited before the error goes on: no call outlives
@@ -677,7 +685,16 @@ class _TextEpisode(_Episode):
     async def _open(self) -> Any:
         self.begun = True
         # In a thread: the first rag episode of a process builds (or loads) the index.
-        env = self.env = await asyncio.to_thread(self.r.text_env, self.task, self.session_id)
+        opening = asyncio.ensure_future(
+            asyncio.to_thread(self.r.text_env, self.task, self.session_id))
+        try:
+            env = await asyncio.shield(opening)
+        except asyncio.CancelledError:
+            # The thread runs on: the environment it makes (a scratch directory, clients) is
+            # closed once made, or nothing would.
+            self.r.background.spawn(_close_when_made(opening))
+            raise
+        self.env = env
         return env
 
     async def _act(self, env: Any) -> str:

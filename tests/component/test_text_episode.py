@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass, field
@@ -571,3 +572,30 @@ async def test_cancelling_a_running_text_episode_closes_its_env(make_world):
         await asyncio.sleep(0.01)
     assert (tool.closed, tool.cancelled) == (1, 1)
     assert world.runner.stats()["active"] == 0
+
+
+async def test_cancelling_while_its_env_is_made_closes_the_env_once_made(make_world):
+    """The env is made in a thread, which a cancel cannot stop: what it makes (a sandbox's
+    scratch directory, a web client) is closed when it is done."""
+    entered, release = threading.Event(), threading.Event()
+    made: list[EchoTool] = []
+
+    def slow_tools() -> list[_Tool]:
+        entered.set()
+        release.wait(10)
+        made.append(EchoTool())
+        return list(made)
+
+    world = await make_world(tools=slow_tools)
+    running = asyncio.ensure_future(world.run())
+    assert await asyncio.to_thread(entered.wait, 10)
+    assert await world.runner.cancel() == 1
+    result = await asyncio.wait_for(running, 10)
+    assert result.status == "cancelled"
+    assert not made  # still being made
+    release.set()
+    for _ in range(500):
+        if made and made[0].closed:
+            break
+        await asyncio.sleep(0.01)
+    assert made and made[0].closed == 1
