@@ -452,7 +452,7 @@ def test_a_batch_cutoff_needs_the_batch_schedule():
 
 
 def test_a_judge_without_the_name_of_its_model_is_refused() -> None:
-    with pytest.raises(ValueError, match="text.judge.name is not set"):
+    with pytest.raises(ValueError, match=r"text\.judge\.name is not set"):
         Config.model_validate({"text": {"judge": {"endpoints": ["http://127.0.0.1:9"]}}})
     named = Config.model_validate(
         {"text": {"judge": {"endpoints": ["http://127.0.0.1:9"], "name": "judge-7b"}}})
