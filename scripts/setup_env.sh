@@ -58,8 +58,9 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 # desktop/image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
 apt_list() { grep -v -E '^[[:space:]]*(#|$)' "desktop/image/$1"; }
 mapfile -t apt_packages < <(apt_list apt-base.txt)
-# The py text mode's sandbox (rollout/text/sandbox.py): bubblewrap's namespaces and mounts.
-apt_packages+=(bubblewrap)
+# The py text mode's sandbox (rollout/text/sandbox.py): bubblewrap's namespaces and mounts,
+# libseccomp's system call filter (rollout/text/seccomp.py).
+apt_packages+=(bubblewrap libseccomp2)
 # Only the tests need a browser (the trajectory viewer is checked in headless chromium),
 # OCR (the secrets test reads the screenshot of a terminal with tesseract) and a database server.
 # PostgreSQL: the trainer index's multi-consumer test starts its own server (initdb, pg_ctl).

@@ -27,6 +27,10 @@ What a snippet sees and may do
   then ``setpriv`` switches the snippet to a uid and gid picked at random for the sandbox in
   [2^30, 2^31) (one no host process uses), with no supplementary groups, every capability
   dropped (bounding set included) and ``no_new_privs``.
+- **A system call filter** (seccomp, ``rollout.text.seccomp``, loaded by bwrap before
+  ``setpriv``): no new namespaces (a nested user namespace included), mounts, ptrace, kernel
+  modules, bpf, io_uring, the key store or the machine's clocks and names; everything a
+  Python program ordinarily does (threads, subprocesses, multiprocessing) is allowed.
 
 Limits (:class:`SandboxLimits`), and how each is enforced
 ----------------------------------------------------------
@@ -82,13 +86,11 @@ that user may search (``mkdtemp``'s and pytest's directories are 0700) and needs
 user namespaces. Root bwrap plus a uid of the sandbox's own has neither problem (measured: the
 32nd process under a limit of 32 is refused, and two sandboxes at once each get their 32). So
 the sandbox needs root (:func:`sandbox_problem` says so otherwise), ``bwrap`` (Debian
-``bubblewrap``), ``setpriv`` (``util-linux``) and ``/usr/bin/python3`` (``python3``).
+``bubblewrap``), ``setpriv`` (``util-linux``), libseccomp (``libseccomp2``) and
+``/usr/bin/python3`` (``python3``).
 
-Not done: no seccomp filter; the snippet may make a nested user namespace (bwrap's
-``--disable-userns`` needs bwrap's own user namespace), in which the mounts it got stay locked
-and ``RLIMIT_NPROC`` still holds (measured), but where it may mount a tmpfs of its own. Memory
-that is not address space (such a tmpfs, ``memfd`` files, ``/dev/shm``) is held by the memory
-cgroup only: without one, a deliberately hostile snippet can take ``max_open_files`` x
+Not done: memory that is not address space (``memfd`` files, ``/dev/shm``) is held by the
+memory cgroup only: without one, a deliberately hostile snippet can take ``max_open_files`` x
 ``max_file_mb`` of it per process (a warning is logged once when there is no cgroup). The
 scratch directory's limits are checked by polling, so a run may overshoot them by what it
 writes in ``SCRATCH_POLL_S``.
@@ -125,6 +127,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.errors import ConfigError, ToolError, ToolUnavailable
+from rollout.text.seccomp import filter_fd
 from rollout.text.tools import ToolSpec, check_arguments
 
 __all__ = [
@@ -319,8 +322,9 @@ def _root_links() -> list[str]:
 
 
 def _command(bwrap: str, setpriv: str, scratch: Path, uid: int, limits: SandboxLimits,
-             cgroup_files: list[str]) -> list[str]:
-    """The argv of one call: [sh joining the cgroups,] bwrap, setpriv, the interpreter."""
+             cgroup_files: list[str], seccomp_fd: int) -> list[str]:
+    """The argv of one call: [sh joining the cgroups,] bwrap, setpriv, the interpreter.
+    ``seccomp_fd``: the system call filter (``rollout.text.seccomp``), passed to the process."""
     tmp = str(limits.tmp_mb << 20)
     argv = [bwrap,
             "--unshare-pid", "--unshare-net", "--unshare-ipc", "--unshare-uts",
@@ -334,6 +338,7 @@ def _command(bwrap: str, setpriv: str, scratch: Path, uid: int, limits: SandboxL
             "--clearenv", "--setenv", "PATH", "/usr/bin:/bin", "--setenv", "HOME", _SCRATCH,
             "--setenv", "LANG", "C.UTF-8", "--setenv", "TMPDIR", "/tmp",
             "--setenv", "USER", "sandbox", "--setenv", "LOGNAME", "sandbox",
+            "--seccomp", str(seccomp_fd),
             "--",
             setpriv, f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
             "--inh-caps=-all", "--bounding-set=-all", "--no-new-privs", "--",
@@ -363,15 +368,22 @@ def sandbox_problem() -> str | None:
                 f"unprivileged uid of its own); this process runs as uid {os.geteuid()}")
     if not Path(setpriv).resolve().is_relative_to("/usr"):
         return f"setpriv is at {setpriv}, outside /usr, which is all the sandbox sees"
+    try:
+        seccomp_fd = filter_fd()
+    except (ToolUnavailable, OSError) as exc:
+        return str(exc)
     with tempfile.TemporaryDirectory(prefix="cua-py-check-") as scratch:
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
         os.chown(scratch, uid, uid)
-        argv = _command(bwrap, setpriv, Path(scratch), uid, SandboxLimits(), [])
+        argv = _command(bwrap, setpriv, Path(scratch), uid, SandboxLimits(), [], seccomp_fd)
         try:
             done = subprocess.run(argv, input=b"print(6 * 7)", capture_output=True,
-                                  timeout=60, env=_HOST_ENV, check=False)
+                                  timeout=60, env=_HOST_ENV, check=False,
+                                  pass_fds=(seccomp_fd,))
         except (OSError, subprocess.TimeoutExpired) as exc:
             return f"a trial sandbox did not run: {exc}"
+        finally:
+            os.close(seccomp_fd)
     if done.stdout != _MARKER + b"42\n":
         err = done.stderr.decode("utf-8", "replace").strip().splitlines()
         return (f"a trial sandbox failed (exit {done.returncode}): "
@@ -865,15 +877,21 @@ class PythonSandbox:
         # Those of cancelled calls, whose processes were still dying when they ended.
         self._leftover_cgroups = [c for c in self._leftover_cgroups if not c.remove()]
         cgroup = _Cgroup.create(self.limits) if self.limits.cgroup else None
+        try:
+            seccomp_fd = filter_fd()
+        except (ToolUnavailable, OSError) as exc:
+            if cgroup is not None:
+                cgroup.remove()
+            raise ToolUnavailable(f"python sandbox: no system call filter: {exc}") from exc
         argv = _command(self._bwrap, self._setpriv, self.scratch, self.uid, self.limits,
-                        cgroup.procs_files() if cgroup else [])
+                        cgroup.procs_files() if cgroup else [], seccomp_fd)
         started = time.monotonic()
         out_fd, out_w = os.pipe()
         err_fd, err_w = os.pipe()
         try:
             proc = await asyncio.create_subprocess_exec(
                 *argv, stdin=asyncio.subprocess.PIPE, stdout=out_w, stderr=err_w,
-                start_new_session=True, env=_HOST_ENV, cwd="/")
+                start_new_session=True, env=_HOST_ENV, cwd="/", pass_fds=(seccomp_fd,))
         except OSError as exc:
             for fd in (out_fd, err_fd):
                 os.close(fd)
@@ -883,6 +901,7 @@ class PythonSandbox:
         finally:
             os.close(out_w)
             os.close(err_w)
+            os.close(seccomp_fd)
         call = self._call = _Call(proc, self.limits, self.scratch, self.uid, cgroup, started)
         try:
             result = await call.supervise(source, out_fd, err_fd)

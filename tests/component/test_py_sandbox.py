@@ -336,6 +336,39 @@ async def test_no_network(box: PythonSandbox):
                 sock.close()
 
 
+async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: PythonSandbox):
+    """The seccomp filter (rollout.text.seccomp): a nested user namespace (which let a snippet
+    mount a tmpfs no limit counts), mounts, ptrace, the key store and bpf are refused, with
+    the call and the unshare command alike; threads, processes and pools still work."""
+    code = (
+        "import ctypes, errno, multiprocessing, subprocess, threading\n"
+        "libc = ctypes.CDLL(None, use_errno=True)\n"
+        "def refused(what, result):\n"
+        "    print(what, result, errno.errorcode.get(ctypes.get_errno()))\n"
+        "refused('unshare-user', libc.unshare(0x10000000))\n"
+        "refused('unshare-mount', libc.unshare(0x00020000))\n"
+        "refused('unshare-net', libc.unshare(0x40000000))\n"
+        "refused('mount', libc.mount(b'none', b'/tmp', b'tmpfs', 0, None))\n"
+        "refused('ptrace', libc.ptrace(16, 1, 0, 0))\n"  # PTRACE_ATTACH to the sandbox init
+        "refused('keyctl', libc.syscall(250, 0, 0, 0, 0))\n"  # keyctl(GET_KEYRING_ID)
+        "refused('bpf', libc.syscall(321, 0, 0, 0))\n"
+        "done = subprocess.run(['unshare', '-Ur', 'true'], capture_output=True, text=True)\n"
+        "print('unshare-command', done.returncode, done.stderr.strip())\n"
+        "t = threading.Thread(target=print, args=('thread ran',)); t.start(); t.join()\n"
+        "print(subprocess.run(['echo', 'child ran'], capture_output=True, text=True)"
+        ".stdout.strip())\n"
+        "with multiprocessing.Pool(2) as pool:\n"
+        "    print('pool', pool.map(abs, [-1, -2]))\n")
+    run = await box.run(code)
+    assert run.returncode == 0, run.stderr
+    lines = run.stdout.splitlines()
+    for what in ("unshare-user", "unshare-mount", "unshare-net", "mount", "ptrace", "keyctl",
+                 "bpf"):
+        assert f"{what} -1 EPERM" in lines, run.stdout
+    assert "unshare-command 1 unshare: unshare failed: Operation not permitted" in lines
+    assert lines[-3:] == ["thread ran", "child ran", "pool [1, 2]"]
+
+
 # ---------------------------------------------------------------------- runaway snippets
 
 
