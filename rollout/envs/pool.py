@@ -327,7 +327,8 @@ class DesktopPool:
                                                   "starting"))
 
     def _take_free(self, avoid: frozenset[str] = frozenset()) -> str | None:
-        self._free = [d for d in self._free if self._desktops[d].state == "free"]
+        self._free = [d for d in self._free
+                      if d in self._desktops and self._desktops[d].state == "free"]
         if not self._free:
             return None
         preferred = next((d for d in self._free if d not in avoid), self._free[0])
@@ -399,8 +400,12 @@ class DesktopPool:
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # any failure of a reset quarantines the desktop
+            if self._taken_out(desktop):
+                return
             self.counters["reset_failures"] += 1
             await self._quarantine(desktop, f"reset failed: {exc!r}")
+            return
+        if self._taken_out(desktop):
             return
         if problems:
             self.counters["verify_failures"] += 1
@@ -410,6 +415,11 @@ class DesktopPool:
         self.counters["resets"] += 1
         self.reset_durations_s.append(time.monotonic() - started)
         self._make_free(desktop.id)
+
+    def _taken_out(self, desktop: Desktop) -> bool:
+        """An operator quarantined ``desktop`` while it was being reset: it is being
+        replaced, and the reset's outcome no longer decides anything."""
+        return desktop.state != "resetting" or self._desktops.get(desktop.id) is not desktop
 
     async def _verify(self, desktop: Desktop) -> list[str]:
         if self.verifier is None:
@@ -430,7 +440,8 @@ class DesktopPool:
 
     async def _replace(self, desktop: Desktop) -> None:
         await self._stop_quietly(desktop)
-        del self._desktops[desktop.id]
+        self._desktops.pop(desktop.id, None)
+        self._free = [d for d in self._free if d != desktop.id]
         if self.verifier is not None:
             self.verifier.forget(desktop.id)
         try:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import gc
 import time
 
 import pytest
@@ -286,3 +287,44 @@ async def test_reset_statistics_keep_a_bounded_window(make_pool):
         await until(lambda: pool.stats()["free"] == 1)
     assert len(pool.reset_durations_s) == 3
     assert pool.reset_durations_s.maxlen is not None and pool.reset_durations_s.maxlen <= 1000
+
+
+class SlowStop(FakeProvider):
+    """Stopping a desktop takes longer than resetting one."""
+
+    async def stop(self, desktop) -> None:  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.6)
+        await super().stop(desktop)
+
+
+@pytest.mark.parametrize("provider_type", [FakeProvider, SlowStop])
+@pytest.mark.parametrize("reset_fails", [False, True])
+async def test_a_desktop_quarantined_during_its_reset_stays_out(make_pool, reset_fails,
+                                                                provider_type):
+    """An operator quarantines a desktop while it is being reset (``desktops.py quarantine``
+    between a status and a release): whether the reset then succeeds or fails, the desktop is
+    never handed out again, quarantined once and replaced once, and leases go on (it once
+    stayed in the free list after its replacement removed it: KeyError in lease)."""
+    failures: list[object] = []  # of the pool's background tasks (reset, replacement)
+    asyncio.get_running_loop().set_exception_handler(
+        lambda loop, context: failures.append(context.get("exception")))
+    provider = provider_type(reset_s=0.3)
+    pool = await make_pool(provider, count=2)
+    lease = await pool.lease("ep0")
+    gone = lease.desktop_id
+    if reset_fails:
+        provider.fail_reset.add(gone)
+    await pool.release(lease.lease_id)
+    assert {r["id"]: r["state"] for r in pool.describe()}[gone] == "resetting"
+    said = await pool.quarantine(gone)
+    assert "quarantined" in said
+    await asyncio.sleep(0.5)  # the reset ends after the quarantine (before the stop: SlowStop)
+    await until(lambda: pool.stats()["free"] == 2 and pool.stats()["replaced"] == 1)
+    stats = pool.stats()
+    assert stats["quarantined"] == 1 and gone not in {r["id"] for r in pool.describe()}
+    leases = [await pool.lease(f"ep{i}") for i in range(1, 3)]
+    assert gone not in {x.desktop_id for x in leases}
+    assert len({x.desktop_id for x in leases}) == 2
+    gc.collect()  # a task that failed unobserved reports it when collected
+    await asyncio.sleep(0)
+    assert failures == []
