@@ -101,6 +101,7 @@ class StorageActor:
         self._index: Any = None                       # rollout.training.TrainingIndex
         self._index_queue: asyncio.Queue[dict[str, Any]] | None = None
         self._index_task: asyncio.Task[None] | None = None
+        self._index_write: asyncio.Future[Any] | None = None  # the last index transaction
         self._index_pending = 0                       # records queued or being written
 
     # ----------------------------------------------------------------- run
@@ -234,6 +235,9 @@ class StorageActor:
             self._index_task.cancel()
             await asyncio.gather(self._index_task, return_exceptions=True)
             self._index_task = None
+        if self._index_write is not None:  # a transaction under way in its thread
+            await asyncio.gather(self._index_write, return_exceptions=True)
+            self._index_write = None
         if self._index is not None:
             await asyncio.to_thread(self._index.close)
             self._index = None
@@ -272,9 +276,12 @@ class StorageActor:
             while len(batch) < _INDEX_BATCH and not self._index_queue.empty():
                 batch.append(self._index_queue.get_nowait())
             while True:
+                # Shielded: a cancel (close) stops the wait, not the transaction in its
+                # thread, which close awaits before it closes the database's connections.
+                write = self._index_write = asyncio.ensure_future(asyncio.to_thread(
+                    self._index.record_episodes, self._run_name, str(self.run_dir), batch))
                 try:
-                    groups = await asyncio.to_thread(self._index.record_episodes,
-                                                     self._run_name, str(self.run_dir), batch)
+                    groups = await asyncio.shield(write)
                     break
                 except Exception as exc:
                     failures += 1
