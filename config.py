@@ -841,6 +841,11 @@ class RagToolConfig(_Section):
     """Longer texts are split at paragraph and sentence boundaries into chunks of this size."""
     max_result_chars: PositiveInt = 4000
     """Of passage text returned to the model per call."""
+    retrieval: Literal["hybrid", "dense", "bm25"] = "hybrid"
+    """``dense``: the embedding model's cosine similarity; ``bm25``: shared words;
+    ``hybrid``: a weighted sum of both (docs/text_modes.md)."""
+    dense_weight: float = Field(0.8, ge=0.0, le=1.0)
+    """``hybrid``: the weight of the dense score; BM25's is the rest."""
     cache_dir: Path | None = Path(".cache/rag")
     """Embeddings and index, cached by a hash of the corpus, model and chunking (null: none)."""
 

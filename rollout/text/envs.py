@@ -134,7 +134,8 @@ def rag_settings(cfg: TextConfig) -> Any:
         raise ConfigError("text.rag.corpus is not set: the rag mode needs a corpus (a JSONL "
                           "file of passages or a directory of .txt/.md files)")
     fields = {"corpus": rag.corpus, "top_k": rag.top_k, "chunk_chars": rag.chunk_chars,
-              "max_result_chars": rag.max_result_chars, "cache_dir": rag.cache_dir}
+              "max_result_chars": rag.max_result_chars, "cache_dir": rag.cache_dir,
+              "retrieval": rag.retrieval, "dense_weight": rag.dense_weight}
     if rag.model is not None:
         fields["model"] = rag.model
     return RagSettings(**fields)

@@ -24,13 +24,7 @@ the server stops: a stop returns within about a second), ``"garbage"`` / ``"garb
 (200 with a body that is not a valid reply; kinds: ``not_json``, ``bytes``, ``shape``,
 ``content_type``), ``"error"`` / ``"error:<status>"`` (HTTP 500 by default, or e.g. 503).
 
-BM25 is our own ~40 lines over an inverted index rather than ``bm25s`` or ``rank-bm25``:
-a corpus here is a directory one person wrote (tens to thousands of pages), where scoring a
-query's posting lists takes well under a millisecond; ``rank-bm25`` scores every document
-for every query with numpy and has not been released since 2022, and ``bm25s`` brings numpy
-and scipy sparse matrices that only pay off on millions of documents. The scorer is Lucene's
-variant (``idf = ln(1 + (N - df + 0.5) / (df + 0.5))``, always positive; ``k1 = 1.2``,
-``b = 0.75``) over lower-cased Unicode word tokens, without stemming or stop words.
+Search is Okapi BM25 over the pages' title and text (``rollout.text.bm25``).
 
 Run ``python -m rollout.text.web_corpus DIR [--port N]`` to serve a directory by hand.
 """
@@ -39,12 +33,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import os
-import re
 import threading
 import time
-from collections import Counter, defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import quote
@@ -54,6 +45,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from rollout.errors import ConfigError, ToolUnavailable
 from rollout.http import ThreadedServer
+from rollout.text.bm25 import TOKEN_RE, BM25Index, tokens
 from rollout.text.web import html_to_text, plain_title
 
 __all__ = [
@@ -73,13 +65,6 @@ FAULTS = ("hang", "garbage", "error")
 GARBAGE_KINDS = ("not_json", "bytes", "shape", "content_type")
 MAX_K = 50
 SNIPPET_CHARS = 240
-_K1 = 1.2
-_B = 0.75
-_TOKEN_RE = re.compile(r"\w+")
-
-
-def _tokens(text: str) -> list[str]:
-    return _TOKEN_RE.findall(text.casefold())
 
 
 @dataclass(frozen=True)
@@ -120,15 +105,8 @@ class WebCorpus:
             raise ConfigError(f"text.web.serve_corpus: no {', '.join(PAGE_SUFFIXES)} pages "
                               f"under {self.root}")
         self._order = sorted(self.pages)
-        self._lengths: list[int] = []
-        self._postings: dict[str, list[tuple[int, int]]] = defaultdict(list)
-        for doc, name in enumerate(self._order):
-            page = self.pages[name]
-            counts = Counter(_tokens(f"{page.title}\n{page.text}"))
-            self._lengths.append(sum(counts.values()))
-            for term, tf in counts.items():
-                self._postings[term].append((doc, tf))
-        self._avg_length = (sum(self._lengths) / len(self._lengths)) or 1.0
+        self._index = BM25Index(f"{self.pages[name].title}\n{self.pages[name].text}"
+                                for name in self._order)
 
     def _files(self) -> list[Path]:
         root = self.root.resolve()
@@ -169,26 +147,14 @@ class WebCorpus:
         return self.pages.get(path)
 
     def idf(self, term: str) -> float:
-        df = len(self._postings.get(term, ()))
-        n = len(self._order)
-        return math.log(1 + (n - df + 0.5) / (df + 0.5))
+        return self._index.idf(term)
 
     def search(self, query: str, k: int = 5) -> list[CorpusHit]:
         """The ``k`` best pages for ``query`` by BM25 (pages matching none of its words are
         left out; ties in path order)."""
-        terms = set(_tokens(query))
-        scores: dict[int, float] = defaultdict(float)
-        for term in terms:
-            postings = self._postings.get(term)
-            if not postings:
-                continue
-            idf = self.idf(term)
-            for doc, tf in postings:
-                norm = _K1 * (1 - _B + _B * self._lengths[doc] / self._avg_length)
-                scores[doc] += idf * tf * (_K1 + 1) / (tf + norm)
-        ranked = sorted(scores.items(), key=lambda item: (-item[1], item[0]))[:max(k, 0)]
+        terms = set(tokens(query))
         hits = []
-        for doc, score in ranked:
+        for doc, score in self._index.search(query, k):
             page = self.pages[self._order[doc]]
             hits.append(CorpusHit(page, score, self.snippet(page, terms)))
         return hits
@@ -201,13 +167,13 @@ class WebCorpus:
             line = line.strip()
             if not line:
                 continue
-            weight = sum(self.idf(t) for t in set(_tokens(line)) & terms)
+            weight = sum(self.idf(t) for t in set(tokens(line)) & terms)
             if weight > best_weight:
                 best_line, best_weight = line, weight
         line = " ".join(best_line.split())
         if len(line) <= SNIPPET_CHARS:
             return line
-        first = min((m.start() for m in _TOKEN_RE.finditer(line)
+        first = min((m.start() for m in TOKEN_RE.finditer(line)
                      if m.group().casefold() in terms), default=0)
         start = max(0, min(first - SNIPPET_CHARS // 4, len(line) - SNIPPET_CHARS))
         window = line[start:start + SNIPPET_CHARS]
