@@ -62,6 +62,13 @@ async def box(tmp_path: Path) -> AsyncIterator[PythonSandbox]:
         yield sandbox
 
 
+async def printed(box: PythonSandbox, code: str) -> list[str]:
+    """The lines ``code`` printed in ``box``, which it ran to a zero exit."""
+    run = await box.run(code)
+    assert run.returncode == 0, run.stderr
+    return run.stdout.splitlines()
+
+
 def uid_processes(uid: int) -> list[psutil.Process]:
     """Every process on the host running as ``uid`` (a sandbox's)."""
     out = []
@@ -264,10 +271,8 @@ async def test_host_files_are_out_of_reach(box: PythonSandbox, tmp_path: Path, m
         "print(sorted(os.listdir('/')))\n"
         "print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))\n"
         "print(sorted(os.environ))\n")
-    run = await box.run(code)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
-    assert not [line for line in lines if line.startswith(("READ", "WROTE"))], run.stdout
+    lines = await printed(box, code)
+    assert not [line for line in lines if line.startswith(("READ", "WROTE"))], lines
     assert len([line for line in lines if line.startswith("refused")]) == len(targets) + 3
     assert lines[-3] == str(sorted(["bin", "dev", "lib", "lib64", "proc", "sbin", "scratch",
                                     "tmp", "usr"]))
@@ -311,10 +316,8 @@ async def test_no_network(box: PythonSandbox):
             + (f"attempt('wide', lambda: socket.create_connection(({outside[0]!r}, "
                f"{wide.getsockname()[1]}), 3))\n" if wide else "")
             + "print('interfaces', [n for _, n in socket.if_nameindex()])\n")
-        run = await box.run(code)
-        assert run.returncode == 0, run.stderr
-        lines = run.stdout.splitlines()
-        assert not [line for line in lines if line.startswith("OK")], run.stdout
+        lines = await printed(box, code)
+        assert not [line for line in lines if line.startswith("OK")], lines
         assert "failed tcp ConnectionRefusedError" in lines
         assert "failed dns gaierror" in lines
         assert "failed unix ConnectionRefusedError" in lines
@@ -359,12 +362,10 @@ async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: P
         ".stdout.strip())\n"
         "with multiprocessing.Pool(2) as pool:\n"
         "    print('pool', pool.map(abs, [-1, -2]))\n")
-    run = await box.run(code)
-    assert run.returncode == 0, run.stderr
-    lines = run.stdout.splitlines()
+    lines = await printed(box, code)
     for what in ("unshare-user", "unshare-mount", "unshare-net", "mount", "ptrace", "keyctl",
                  "bpf"):
-        assert f"{what} -1 EPERM" in lines, run.stdout
+        assert f"{what} -1 EPERM" in lines, lines
     assert "unshare-command 1 unshare: unshare failed: Operation not permitted" in lines
     assert lines[-3:] == ["thread ran", "child ran", "pool [1, 2]"]
 
