@@ -150,8 +150,8 @@ class RagSettings:
 
 @dataclass(frozen=True)
 class Passage:
-    """One chunk of the corpus; ``score`` is its cosine similarity to the query (0 in the
-    index itself)."""
+    """One chunk of the corpus; ``score`` is how well it matches the query by the retriever's
+    ranking (:meth:`Retriever.search`; 0 in the index itself)."""
 
     id: str
     title: str
@@ -432,7 +432,7 @@ class Retriever:
     """A corpus, chunked and indexed. :meth:`search` is synchronous and thread-safe."""
 
     def __init__(self, passages: Sequence[Passage], index: Any, embedder: _StaticEmbedder,
-                 *, cached: bool, build_seconds: float, retrieval: str = "dense",
+                 *, cached: bool, build_seconds: float, retrieval: str = "hybrid",
                  dense_weight: float = 0.8) -> None:
         self._passages = tuple(passages)
         self._index = index
