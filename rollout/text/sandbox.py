@@ -29,8 +29,9 @@ What a snippet sees and may do
   dropped (bounding set included) and ``no_new_privs``.
 - **A system call filter** (seccomp, ``rollout.text.seccomp``, loaded by bwrap before
   ``setpriv``): no new namespaces (a nested user namespace included), mounts, ptrace, kernel
-  modules, bpf, io_uring, the key store or the machine's clocks and names; everything a
-  Python program ordinarily does (threads, subprocesses, multiprocessing) is allowed.
+  modules, bpf, io_uring, the key store, ``memfd_create`` or the machine's clocks and names;
+  everything a Python program ordinarily does (threads, subprocesses, multiprocessing and its
+  shared memory, ctypes callbacks) is allowed.
 
 Limits (:class:`SandboxLimits`), and how each is enforced
 ----------------------------------------------------------
@@ -89,11 +90,11 @@ the sandbox needs root (:func:`sandbox_problem` says so otherwise), ``bwrap`` (D
 ``bubblewrap``), ``setpriv`` (``util-linux``), libseccomp (``libseccomp2``) and
 ``/usr/bin/python3`` (``python3``).
 
-Not done: memory that is not address space (``memfd`` files, ``/dev/shm``) is held by the
-memory cgroup only: without one, a deliberately hostile snippet can take ``max_open_files`` x
-``max_file_mb`` of it per process (a warning is logged once when there is no cgroup). The
-scratch directory's limits are checked by polling, so a run may overshoot them by what it
-writes in ``SCRATCH_POLL_S``.
+Memory that is not address space: ``memfd_create`` is refused by the filter (a snippet could
+otherwise hold ``max_open_files`` x ``max_file_mb`` of anonymous files per process, counted by
+no rlimit); ``/tmp`` and ``/dev/shm`` (POSIX shared memory, multiprocessing's semaphores) are
+tmpfs mounts of ``tmp_mb`` each. Not done: the scratch directory's limits are checked by
+polling, so a run may overshoot them by what it writes in ``SCRATCH_POLL_S``.
 
 cgroups (a bonus, never required): where the runner is root and the cgroup v1 ``memory`` and
 ``pids`` hierarchies are mounted and writable, each run gets a child of the runner's own cgroup

@@ -3,8 +3,9 @@ bubblewrap loads (``--seccomp FD``) just before it runs the snippet's ``setpriv`
 
 The filter allows every system call but those a Python snippet never needs and that widen what
 a hostile one can reach of the kernel, which are refused with ``EPERM`` (``ENOSYS`` for
-``clone3``, so the C library falls back to ``clone``, whose flags a filter can read). The list
-follows Docker's and Podman's default profiles:
+``clone3``, so the C library falls back to ``clone``, whose flags a filter can read, and for
+``memfd_create`` and ``memfd_secret``, so a library falls back to a file). The list follows
+Docker's and Podman's default profiles, and adds anonymous memory files:
 
 - new namespaces and mounts: ``unshare``, ``setns``, ``clone`` with any ``CLONE_NEW*`` flag,
   ``mount`` and the new mount API, ``pivot_root``, ``chroot`` (a nested user namespace, where a
@@ -13,7 +14,10 @@ follows Docker's and Podman's default profiles:
   ``kcmp``, ``pidfd_getfd``, modules, ``kexec_*``, ``bpf``, ``perf_event_open``,
   ``userfaultfd``, ``io_uring_*``, the key store (``keyctl``, ``add_key``, ``request_key``);
 - the machine's settings: clocks, ``reboot``, swap, ``acct``, ``quotactl``, ``syslog``, host
-  and domain names, I/O ports, file handles (``open_by_handle_at``), ``fanotify_init``.
+  and domain names, I/O ports, file handles (``open_by_handle_at``), ``fanotify_init``;
+- anonymous memory files (``memfd_create``, ``memfd_secret``): no rlimit counts them, so
+  without a memory cgroup a snippet could hold ``max_open_files`` x ``max_file_mb`` of them
+  per process (POSIX shared memory lives in the sandbox's size-limited ``/dev/shm``).
 
 System calls of another architecture's ABI (32-bit ``int 0x80`` on x86-64) kill the process.
 libseccomp is loaded with ctypes (Debian ``libseccomp2``, a dependency of apt itself, so on
@@ -126,6 +130,8 @@ def filter_program() -> bytes:
         for name in DENIED:
             deny(name, _act_errno(errno.EPERM))
         deny("clone3", _act_errno(errno.ENOSYS))
+        for name in ("memfd_create", "memfd_secret"):
+            deny(name, _act_errno(errno.ENOSYS))
         for flag in NEW_NAMESPACE_FLAGS.values():
             deny("clone", _act_errno(errno.EPERM), _ArgCmp(0, _CMP_MASKED_EQ, flag, flag))
         fd = os.memfd_create("cua-seccomp", os.MFD_CLOEXEC)

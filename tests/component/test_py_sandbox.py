@@ -341,8 +341,9 @@ async def test_no_network(box: PythonSandbox):
 
 async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: PythonSandbox):
     """The seccomp filter (rollout.text.seccomp): a nested user namespace (which let a snippet
-    mount a tmpfs no limit counts), mounts, ptrace, the key store and bpf are refused, with
-    the call and the unshare command alike; threads, processes and pools still work."""
+    mount a tmpfs no limit counts), mounts, ptrace, the key store, bpf and anonymous memory
+    files are refused, with the call and the unshare command alike; threads, processes,
+    pools, POSIX shared memory and ctypes callbacks still work."""
     code = (
         "import ctypes, errno, multiprocessing, subprocess, threading\n"
         "libc = ctypes.CDLL(None, use_errno=True)\n"
@@ -355,6 +356,15 @@ async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: P
         "refused('ptrace', libc.ptrace(16, 1, 0, 0))\n"  # PTRACE_ATTACH to the sandbox init
         "refused('keyctl', libc.syscall(250, 0, 0, 0, 0))\n"  # keyctl(GET_KEYRING_ID)
         "refused('bpf', libc.syscall(321, 0, 0, 0))\n"
+        "refused('memfd', libc.syscall(319, b'x', 0))\n"  # memfd_create
+        "cmp = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.POINTER(ctypes.c_int),\n"
+        "                       ctypes.POINTER(ctypes.c_int))(lambda a, b: a[0] - b[0])\n"
+        "numbers = (ctypes.c_int * 4)(3, 1, 4, 2)\n"
+        "libc.qsort(numbers, 4, ctypes.sizeof(ctypes.c_int), cmp)\n"
+        "print('callback sorted', list(numbers))\n"
+        "from multiprocessing import shared_memory\n"
+        "shared = shared_memory.SharedMemory(create=True, size=4096)\n"
+        "shared.close(); shared.unlink(); print('shared memory made')\n"
         "done = subprocess.run(['unshare', '-Ur', 'true'], capture_output=True, text=True)\n"
         "print('unshare-command', done.returncode, done.stderr.strip())\n"
         "t = threading.Thread(target=print, args=('thread ran',)); t.start(); t.join()\n"
@@ -366,6 +376,8 @@ async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: P
     for what in ("unshare-user", "unshare-mount", "unshare-net", "mount", "ptrace", "keyctl",
                  "bpf"):
         assert f"{what} -1 EPERM" in lines, lines
+    assert "memfd -1 ENOSYS" in lines  # anonymous memory files: no rlimit counts them
+    assert {"callback sorted [1, 2, 3, 4]", "shared memory made"} <= set(lines)
     assert "unshare-command 1 unshare: unshare failed: Operation not permitted" in lines
     assert lines[-3:] == ["thread ran", "child ran", "pool [1, 2]"]
 
