@@ -39,8 +39,10 @@ courlan, htmldate and justext and drops the content of short pages; BeautifulSou
 selectolax is imported on first use, so the settings and backends load without the ``text``
 extra.
 
-Addresses (``AddressPolicy``): the model chooses what ``fetch`` reads, so by default the tools
-reach public addresses only. Every connection's host is resolved and each address checked as
+Addresses (``AddressPolicy``): the model chooses what ``fetch`` reads, so by default fetch
+reaches public addresses only (a search backend calls only its configured URL, with an
+unguarded client that honours the proxy variables). Every connection's host is resolved and
+each address checked as
 the socket is opened (the client's network backend, so a redirect or a name that resolves to
 an internal address is caught at the hop that meets it, and the checked address is the one
 connected to: a name cannot resolve to a public address for the check and a private one for
@@ -51,8 +53,8 @@ CIDR network). The search backend's own ``search_url`` host and port are always 
 corpus server's pages are fetched from it. A guarded client ignores proxy variables
 (``HTTP_PROXY`` and friends): through a proxy the guard would check the proxy, not the page.
 
-The tools share one ``httpx2.AsyncClient`` per environment: pass the environment's client
-(:func:`make_client`) to each, or let a tool make its own, which its ``close`` then closes.
+Each tool makes its own client (:func:`make_client`, guarded for fetch), which its ``close``
+closes, or uses one passed in.
 """
 
 from __future__ import annotations
@@ -151,11 +153,11 @@ class SearchBackend(Protocol):
         ...
 
 
-def make_client(settings: WebSettings) -> httpx2.AsyncClient:
-    """The client an environment's web tools share: the settings' timeout, redirects left to
-    the tools, the process's TLS context, and the settings' ``AddressPolicy`` checked on every
+def make_client(settings: WebSettings, *, guard: bool = True) -> httpx2.AsyncClient:
+    """A web tool's client: the settings' timeout, redirects left to the tools, the process's
+    TLS context, and with ``guard`` (fetch's) the settings' ``AddressPolicy`` checked on every
     connection (unless ``allow_private``)."""
-    policy = AddressPolicy.of(settings)
+    policy = AddressPolicy.of(settings) if guard else None
     return httpx2.AsyncClient(
         timeout=httpx2.Timeout(settings.request_timeout_s),
         follow_redirects=False,
@@ -526,7 +528,8 @@ class _HTTPSearch:
 
     def __init__(self, settings: WebSettings, client: httpx2.AsyncClient | None) -> None:
         self.settings = settings
-        self.client = client if client is not None else make_client(settings)
+        # Unguarded: it calls the configured URL only, never one the model chose.
+        self.client = client if client is not None else make_client(settings, guard=False)
         self._owns_client = client is None
 
     async def close(self) -> None:
