@@ -62,14 +62,20 @@ class Progress:
 def _utilization(stats: dict[str, Any]) -> str:
     """The desktops' time split and the model servers' load, when the last sample has them:
     ``desktops acting 31% model 52% pause 5% resetting 2% idle 9%  actions/min 240  servers
-    12 run / 3 wait, kv 41%, 850 tok/s``."""
+    12 run / 3 wait, kv 41%, 850 tok/s``. A run without desktops (text modes) shows its mean
+    turn instead: ``turns/min 900, each model 0.41 s tools 0.05 s``."""
     out = ""
     util = stats.get("utilization") or {}
     split = util.get("desktop")
+    step = util.get("step_s")
     if split:
         out += (f"  desktops acting {split['acting']:.0%} model {split['model_wait']:.0%} "
                 f"pause {split['pause']:.0%} resetting {split['resetting']:.0%} "
                 f"idle {split['idle']:.0%}  actions/min {util.get('actions_per_min', 0):.0f}")
+    elif step and util.get("window_s"):
+        # A text turn is a step: its tool calls are the step's action time.
+        out += (f"  turns/min {60.0 * step['steps'] / util['window_s']:.0f}, each model "
+                f"{step['model']:.2f} s tools {step['action']:.2f} s")
     servers = (stats.get("model_servers") or {}).get("summary")
     if servers:
         out += f"  servers {servers['running']} run / {servers['waiting']} wait"

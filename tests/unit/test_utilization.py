@@ -126,3 +126,17 @@ def test_the_status_line_shows_the_utilization(capsys):
     line = capsys.readouterr().err
     assert ("desktops acting 20% model 40% pause 5% resetting 10% idle 20%  actions/min 238  "
             "servers 3 run / 1 wait, kv 41%, 850 tok/s, up 1/2") in line
+
+
+def test_a_run_without_desktops_shows_its_mean_turn(capsys):
+    from rollout.progress import Progress
+
+    stats = {"success_rate": 1.0, "steps_per_s": 15.0,
+             "utilization": {"window_s": 5.0, "desktops": 0.0, "desktop": None,
+                             "actions_per_min": 0.0,
+                             "step_s": {"model": 0.412, "action": 0.051, "pause": 0.0,
+                                        "screenshot": 0.0, "overhead": 0.003, "steps": 75}}}
+    Progress(enabled=False, total=10, done_before=0).update(4, 10, stats)
+    line = capsys.readouterr().err
+    assert "turns/min 900, each model 0.41 s tools 0.05 s" in line
+    assert "desktops" not in line
