@@ -873,11 +873,12 @@ class WebToolConfig(_Section):
     """Of a page's text returned to the model."""
     max_redirects: NonNegInt = 5
     allow_private: bool = False
-    """Let search and fetch reach loopback, private, link-local and other non-public
-    addresses. Off: the model cannot read the machine's or its network's own services through
-    ``fetch`` (the search backend's own host and port are always reachable)."""
+    """Let fetch reach loopback, private, link-local and other non-public addresses. Off: the
+    model cannot read the machine's or its network's own services through ``fetch`` (the
+    search backend's own host and port are always reachable; search itself is not guarded:
+    it calls only its configured URL)."""
     allow_hosts: list[str] = []
-    """Non-public hosts the tools may reach all the same: ``host`` (any port),
+    """Non-public hosts fetch may reach all the same: ``host`` (any port),
     ``host:port`` or a CIDR network (``10.1.0.0/16``)."""
 
     @model_validator(mode="after")

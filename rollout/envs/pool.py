@@ -327,8 +327,7 @@ class DesktopPool:
                                                   "starting"))
 
     def _take_free(self, avoid: frozenset[str] = frozenset()) -> str | None:
-        self._free = [d for d in self._free
-                      if d in self._desktops and self._desktops[d].state == "free"]
+        self._free = [d for d in self._free if self._desktops[d].state == "free"]
         if not self._free:
             return None
         preferred = next((d for d in self._free if d not in avoid), self._free[0])
@@ -440,8 +439,7 @@ class DesktopPool:
 
     async def _replace(self, desktop: Desktop) -> None:
         await self._stop_quietly(desktop)
-        self._desktops.pop(desktop.id, None)
-        self._free = [d for d in self._free if d != desktop.id]
+        del self._desktops[desktop.id]
         if self.verifier is not None:
             self.verifier.forget(desktop.id)
         try:

@@ -469,13 +469,12 @@ class Retriever:
             index.add(vectors)
             if cache_file is not None:
                 cls._write_cache(faiss, index, cache_file)
-        elapsed = time.perf_counter() - started
-        log.info("rag: %d passages from %s %s in %.2f s (%s)", len(passages), settings.corpus,
-                 "loaded from the cache" if cached else "embedded and indexed", elapsed,
-                 embedder.name)
-        retriever = cls(passages, index, embedder, cached=cached, build_seconds=elapsed,
+        retriever = cls(passages, index, embedder, cached=cached, build_seconds=0.0,
                         retrieval=settings.retrieval, dense_weight=settings.dense_weight)
         retriever.build_seconds = time.perf_counter() - started  # the BM25 index included
+        log.info("rag: %d passages from %s %s in %.2f s (%s)", len(passages), settings.corpus,
+                 "loaded from the cache" if cached else "embedded and indexed",
+                 retriever.build_seconds, embedder.name)
         return retriever
 
     @staticmethod

@@ -877,13 +877,11 @@ class PythonSandbox:
     async def _run(self, source: bytes) -> SandboxRun:
         # Those of cancelled calls, whose processes were still dying when they ended.
         self._leftover_cgroups = [c for c in self._leftover_cgroups if not c.remove()]
-        cgroup = _Cgroup.create(self.limits) if self.limits.cgroup else None
         try:
             seccomp_fd = filter_fd()
-        except (ToolUnavailable, OSError) as exc:
-            if cgroup is not None:
-                cgroup.remove()
+        except OSError as exc:  # libseccomp's absence is a ToolUnavailable already
             raise ToolUnavailable(f"python sandbox: no system call filter: {exc}") from exc
+        cgroup = _Cgroup.create(self.limits) if self.limits.cgroup else None
         argv = _command(self._bwrap, self._setpriv, self.scratch, self.uid, self.limits,
                         cgroup.procs_files() if cgroup else [], seccomp_fd)
         started = time.monotonic()

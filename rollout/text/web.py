@@ -42,16 +42,16 @@ extra.
 Addresses (``AddressPolicy``): the model chooses what ``fetch`` reads, so by default fetch
 reaches public addresses only (a search backend calls only its configured URL, with an
 unguarded client that honours the proxy variables). Every connection's host is resolved and
-each address checked as
-the socket is opened (the client's network backend, so a redirect or a name that resolves to
-an internal address is caught at the hop that meets it, and the checked address is the one
-connected to: a name cannot resolve to a public address for the check and a private one for
-the connection). Loopback, private, link-local (cloud metadata at 169.254.169.254 included),
-shared, reserved, multicast and unspecified addresses, and IPv6 forms of them, are refused
-unless ``allow_private`` is set or ``allow_hosts`` names them (a host, ``host:port`` or a
-CIDR network). The search backend's own ``search_url`` host and port are always allowed: a
-corpus server's pages are fetched from it. A guarded client ignores proxy variables
-(``HTTP_PROXY`` and friends): through a proxy the guard would check the proxy, not the page.
+each address checked as the socket is opened (the client's network backend, so a redirect or
+a name that resolves to an internal address is caught at the hop that meets it, and the
+checked address is the one connected to: a name cannot resolve to a public address for the
+check and a private one for the connection). Loopback, private, link-local (cloud metadata
+at 169.254.169.254 included), shared, reserved, multicast and unspecified addresses, and IPv6
+forms of them, are refused unless ``allow_private`` is set or ``allow_hosts`` names them (a
+host, ``host:port`` or a CIDR network). The search backend's own ``search_url`` host and
+port are always allowed: a corpus server's pages are fetched from it. A guarded client ignores
+proxy variables (``HTTP_PROXY`` and friends): through a proxy the guard would check the proxy,
+not the page.
 
 Each tool makes its own client (:func:`make_client`, guarded for fetch), which its ``close``
 closes, or uses one passed in.
@@ -128,9 +128,9 @@ class WebSettings:
     allowed_schemes: tuple[str, ...] = ("http", "https")
     max_redirects: int = 5
     allow_private: bool = False
-    """Let the tools reach loopback, private and other non-public addresses."""
+    """Let fetch reach loopback, private and other non-public addresses."""
     allow_hosts: tuple[str, ...] = ()
-    """Non-public hosts the tools may reach all the same: ``host``, ``host:port`` or a CIDR
+    """Non-public hosts fetch may reach all the same: ``host``, ``host:port`` or a CIDR
     network (``10.1.0.0/16``); see ``AddressPolicy``."""
 
 
