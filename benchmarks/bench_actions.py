@@ -1,11 +1,13 @@
 """CPU and wall time per agent action in a desktop: the server's warm interpreter
-(``desktop/actions.py``) against a fresh ``python -c`` per action (``--no-warm-actions``).
+(``cua_rollout/desktop/actions.py``) against a fresh ``python -c`` per action
+(``--no-warm-actions``).
 
     python benchmarks/bench_actions.py [--actions 20] [--json F]
 
 Starts one real desktop (Xvfb) and, in turn, one desktop server on it with each setting; posts
 to its ``/execute`` ``--actions`` actions of each kind, one at a time, exactly as the
-controller does (``ui_tars_utils.to_pyautogui`` wrapped by ``desktop.protocol.execute_command``):
+controller does (``ui_tars_utils.to_pyautogui`` wrapped by
+``cua_rollout.desktop.protocol.execute_command``):
 
     click        a left click (pyautogui then sleeps its PAUSE, 0.1 s, as always)
     type 20      20 ASCII characters (interval 0.01 s between them, then the PAUSE)
@@ -42,9 +44,9 @@ if str(ROOT) not in sys.path:
 import httpx  # noqa: E402
 import psutil  # noqa: E402
 
-from desktop.display import XvfbDisplay, terminate_process  # noqa: E402
-from desktop.protocol import execute_command  # noqa: E402
-from ui_tars_utils import Action, to_pyautogui  # noqa: E402
+from cua_rollout.agents.uitars import Action, to_pyautogui  # noqa: E402
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process  # noqa: E402
+from cua_rollout.desktop.protocol import execute_command  # noqa: E402
 
 SCREEN_W, SCREEN_H = 1280, 800
 START_TIMEOUT_S = 60.0
@@ -79,10 +81,12 @@ def _cpu_s(server: psutil.Process) -> float:
 @contextlib.contextmanager
 def desktop_server(env: dict[str, str], workdir: Path, warm: bool
                    ) -> Iterator[tuple[Any, httpx.Client]]:
-    """``python -m desktop.server`` on the display of ``env``, on a free loopback port, once
+    """``python -m cua_rollout.desktop.server`` on the display of ``env``, on a free loopback port,
+    once
     it answers (and its warm worker runs, with ``warm``); stopped by pid on exit."""
     port = _free_port()
-    argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port),
+    argv = [sys.executable, "-m", "cua_rollout.desktop.server",
+            "--host", "127.0.0.1", "--port", str(port),
             "--warm-actions" if warm else "--no-warm-actions"]
     with open(workdir / f"server-{port}.log", "wb") as log:
         proc = subprocess.Popen(argv, cwd=ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log,

@@ -4,7 +4,7 @@
     python benchmarks/bench_desktops.py --provider local --sizes 1 4
     python benchmarks/bench_desktops.py --provider kubernetes --sizes 1 4
 
-``kubernetes`` runs against the Kubernetes API test server (``rollout.testing.kube_api``) whose
+``kubernetes`` runs against the Kubernetes API test server (``tests.doubles.kube_api``) whose
 kubelet starts each pod as a container of the desktop image on this machine: start = create
 through the API until the pod is Ready (readiness probe) and its server answers.
 
@@ -30,8 +30,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from config import DesktopsConfig
-from rollout.envs.providers import make_provider
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.providers import make_provider
 
 
 def _stats(values: list[float]) -> dict[str, float]:
@@ -139,8 +139,8 @@ def _kubernetes(stack: contextlib.ExitStack, image: str | None
     import secrets
     import tempfile
 
-    from rollout.testing.kube_api import KubeAPIServer
-    from rollout.testing.kubelet import ContainerKubelet
+    from tests.doubles.kube_api import KubeAPIServer
+    from tests.doubles.kubelet import ContainerKubelet
 
     token_env = "CUA_BENCH_DESKTOP_TOKEN"
     os.environ[token_env] = secrets.token_hex(16)

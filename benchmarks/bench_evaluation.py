@@ -29,10 +29,10 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from config import load_config  # noqa: E402
-from env_k8s import DesktopPool  # noqa: E402
-from rollout.evaluation import Evaluator, route_problem  # noqa: E402
-from rollout.testing.replay import play, run_concurrently, score, with_upload_root  # noqa: E402
+from cua_rollout.config import load_config  # noqa: E402
+from cua_rollout.evaluation import Evaluator, route_problem  # noqa: E402
+from cua_rollout.runtime.pool import DesktopPool  # noqa: E402
+from cua_rollout.runtime.replay import play, run_concurrently, score, with_upload_root  # noqa: E402
 
 
 def _tasks(suite: Path) -> list[tuple[str, dict[str, Any]]]:

@@ -7,13 +7,14 @@ times and many at once; how often a correct solution does not score 1.0, and whe
 Starts ``--concurrency`` local desktops once (Xvfb + openbox + session bus + the desktop
 server, through the same ``DesktopPool`` and ``local`` provider as run.py's demo; reset in the
 background between replays, verified, quarantined and replaced as in a run) and plays each
-task's ``reference_solution`` ``--repeat`` times with ``rollout.testing.replay.play``: lease,
+task's ``reference_solution`` ``--repeat`` times with ``cua_rollout.runtime.replay.play``: lease,
 reset(task) with its setup, each reply parsed and run with a wait until the screen settles,
 the task's evaluator, release. At most ``--concurrency`` replays run at once.
 
 A replay of a correct reference solution that does not score 1.0, or whose action the desktop
 refused, is a *fidelity failure*; one that raised an infrastructure error (a desktop request
-failed, a setup step timed out, no desktop free: ``rollout.errors.InfraError``, transport and
+failed, a setup step timed out, no desktop free: ``cua_rollout.core.errors.InfraError``, transport
+and
 OS errors) is an *infra error*, counted apart, as are the pool's quarantined and replaced
 desktops. Prints (rich tables) replays, failures by task and by action kind (the kinds of the
 actions in the failing replays' solutions: click, left_double, drag, type, hotkey, scroll ...),
@@ -54,12 +55,12 @@ import httpx  # noqa: E402
 import psutil  # noqa: E402
 from rich.markup import escape  # noqa: E402
 
-from config import Config, load_config  # noqa: E402
-from env_k8s import DesktopPool  # noqa: E402
-from rollout.errors import InfraError  # noqa: E402
-from rollout.evaluation import Evaluator  # noqa: E402
-from rollout.testing.replay import play, run_concurrently, with_upload_root  # noqa: E402
-from ui_tars_utils import parse_response  # noqa: E402
+from cua_rollout.agents.uitars import parse_response  # noqa: E402
+from cua_rollout.config import Config, load_config  # noqa: E402
+from cua_rollout.core.errors import InfraError  # noqa: E402
+from cua_rollout.evaluation import Evaluator  # noqa: E402
+from cua_rollout.runtime.pool import DesktopPool  # noqa: E402
+from cua_rollout.runtime.replay import play, run_concurrently, with_upload_root  # noqa: E402
 
 TERMINAL_KINDS = ("finished", "call_user")
 SAMPLE_INTERVAL_S = 1.0

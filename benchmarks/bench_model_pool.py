@@ -4,7 +4,7 @@ OpenAI servers, with many concurrent sticky sessions.
     python benchmarks/bench_model_pool.py [--servers 4] [--sessions 256] [--duration-s 10]
         [--image-kb 0] [--servers-process]
 
-By default the fake servers (rollout/testing/fake_openai.py, uvicorn in threads) share this
+By default the fake servers (tests/doubles/fake_openai.py, uvicorn in threads) share this
 one Python process with the client, so the figure is what one process sustains end to end;
 ``--servers-process`` moves them to a second process to measure the client more alone.
 Endpoints are read from an ``endpoints.json`` state file, as runners read run_model.py's.
@@ -30,9 +30,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from config import ModelConfig, SamplingConfig  # noqa: E402
-from model_service_pool import ENDPOINTS_FILE, ModelServicePool  # noqa: E402
-from rollout.testing.fake_openai import FakeOpenAIServer  # noqa: E402
+from cua_rollout.config import ModelConfig, SamplingConfig  # noqa: E402
+from cua_rollout.model.service_pool import ENDPOINTS_FILE, ModelServicePool  # noqa: E402
+from tests.doubles.fake_openai import FakeOpenAIServer  # noqa: E402
 
 
 def _messages(image_kb: int) -> list[dict]:
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.httpx:
         import httpx
 
-        import model_service_pool
+        import cua_rollout.model.service_pool as model_service_pool
 
         model_service_pool.httpx2 = httpx  # same API; a comparison, not the shipped client
     if args.serve_fakes:

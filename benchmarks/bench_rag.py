@@ -1,7 +1,7 @@
 """Retrieval quality and latency of the rag mode's ``dense``, ``bm25`` and ``hybrid`` ranking
-(``rollout/text/rag.py``) on two query sets written here:
+(``cua_rollout/text/rag.py``) on two query sets written here:
 
-- ``paraphrase``: the component test's 150-passage corpus (``rollout/testing/rag_corpus.py``)
+- ``paraphrase``: the component test's 150-passage corpus (``tests/doubles/rag_corpus.py``)
   with 12 questions about its planted passage, six of them paraphrases without its words and
   a few by name, and six questions about other passages;
 - ``names``: 2,000 look-alike biographies of made-up people ("<name> was born in <town> in
@@ -28,8 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from rollout.testing.rag_corpus import PARAPHRASES, PLANTED_ID, write_jsonl  # noqa: E402
-from rollout.text.rag import RagSettings, Retriever  # noqa: E402
+from cua_rollout.text.rag import RagSettings, Retriever  # noqa: E402
+from tests.doubles.rag_corpus import PARAPHRASES, PLANTED_ID, write_jsonl  # noqa: E402
 
 PLANTED_QUESTIONS = [
     *PARAPHRASES,

@@ -167,9 +167,9 @@ from benchmarks.sim_world import (  # noqa: E402
     ModelSim,
     SimWorld,
 )
-from rollout.layout import EPISODE_FILE, METRICS_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
-from rollout.results import read_jsonl  # noqa: E402
-from rollout.types import Status  # noqa: E402
+from cua_rollout.core.layout import EPISODE_FILE, METRICS_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
+from cua_rollout.core.types import Status  # noqa: E402
+from cua_rollout.results import read_jsonl  # noqa: E402
 
 SCHEDULES = ("rollout", "actor-per-episode", "batch")
 LEVELS = (8, 64, 256, 1024)
@@ -458,7 +458,7 @@ def _write_tasks(path: Path, numbers: list[int]) -> None:
 
 def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list[str],
             model_urls: list[str], model_name: str) -> Any:
-    from config import load_config
+    from cua_rollout.config import load_config
 
     s = row.setup
     schedule = "batch" if row.schedule == "batch" else "rollout"
@@ -527,8 +527,8 @@ def _run_row(row: _Row, desktops: SimWorld, sampler: _ProcessSampler, next_task:
     """Run one measurement; fills ``row``; returns the next unused task number."""
     import ray
 
-    from run import start_actors, stop_actors
-    from task_loader import TaskLoader
+    from cua_rollout.cli.run import start_actors, stop_actors
+    from cua_rollout.runtime.loader import TaskLoader
 
     s = row.setup
     k = row.concurrency
@@ -1058,7 +1058,7 @@ def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: Si
     peer's runner, tasks and Ray settings; returns its path."""
     import yaml
 
-    from config import load_config
+    from cua_rollout.config import load_config
 
     sets = sim_sets(
         run_dir, tasks, world.desktop_urls, world.reset_command, world.model_urls,

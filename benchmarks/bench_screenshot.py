@@ -1,5 +1,5 @@
 """Screenshot cost in a desktop: a 1920x1080 screen captured and PNG-encoded by the desktop
-server (``desktop/screen.py``), over HTTP as the controller asks for it.
+server (``cua_rollout/desktop/screen.py``), over HTTP as the controller asks for it.
 
     python benchmarks/bench_screenshot.py [--shots 40] [--json F]
 
@@ -8,7 +8,8 @@ galculator, so that the screen holds text and flat colours as an agent's does) a
 server, then prints:
 
 - in the benchmark's process, on the same screen: the capture alone (mss), the encoding the
-  server uses (``desktop.screen.encode_png``: Pillow's BGRX->RGB, ISA-L deflate) at its levels,
+  server uses (``cua_rollout.desktop.screen.encode_png``: Pillow's BGRX->RGB, ISA-L deflate) at its
+  levels,
   and the encoding it replaced (``mss.tools.to_png`` at zlib level 1), with the PNG sizes;
 - over HTTP: ``GET /screenshot`` ``--shots`` times, one at a time, the server's CPU per
   screenshot (psutil's times of the server process before and after) and the wall time of each
@@ -39,9 +40,9 @@ import mss.tools  # noqa: E402
 import psutil  # noqa: E402
 
 from benchmarks.bench_actions import desktop_server  # noqa: E402
-from desktop.display import XvfbDisplay, terminate_process  # noqa: E402
-from desktop.entry import OPENBOX_RC  # noqa: E402
-from desktop.screen import encode_png  # noqa: E402
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process  # noqa: E402
+from cua_rollout.desktop.entry import OPENBOX_RC  # noqa: E402
+from cua_rollout.desktop.screen import encode_png  # noqa: E402
 
 SCREEN_W, SCREEN_H = 1920, 1080
 START_TIMEOUT_S = 60.0

@@ -1,4 +1,4 @@
-"""What the trainer's index (rollout/training) costs: the write per finished episode and the
+"""What the trainer's index (cua_rollout/training) costs: the write per finished episode and the
 latency of a claim with many ready groups, on SQLite (a run directory's index.db) and, with
 ``--postgres-url``, on PostgreSQL.
 
@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from sqlalchemy import create_engine, text
 
-from rollout.training import TrainingIndex, default_url
+from cua_rollout.training import TrainingIndex, default_url
 
 CLAIM_N = 8
 

@@ -83,8 +83,7 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.chaos_proxy import FaultProxy  # noqa: E402
 from benchmarks.sim_world import DesktopSim, EpisodeLengths, ModelSim, SimWorld  # noqa: E402
-from rollout.fleet.state import ENDPOINTS_FILE  # noqa: E402
-from rollout.layout import (  # noqa: E402
+from cua_rollout.core.layout import (  # noqa: E402
     EPISODE_FILE,
     METRICS_FILE,
     OSWORLD_RESULT_FILE,
@@ -93,7 +92,8 @@ from rollout.layout import (  # noqa: E402
     SUPERSEDED_RESULTS_FILE,
     TRAJ_FILE,
 )
-from rollout.testing.disk import fill  # noqa: E402
+from cua_rollout.model.fleet.state import ENDPOINTS_FILE  # noqa: E402
+from tests.doubles.disk import fill  # noqa: E402
 
 __all__ = ["COUNTS", "FULL", "QUICK", "SCENARIOS", "Size", "count", "main", "recover_s"]
 

@@ -51,7 +51,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from desktop.protocol import (  # noqa: E402
+from cua_rollout.core.vision import smart_resize  # noqa: E402
+from cua_rollout.desktop.protocol import (  # noqa: E402
     AccessibilityReply,
     CommandReply,
     ErrorReply,
@@ -60,7 +61,7 @@ from desktop.protocol import (  # noqa: E402
     ScreenSizeReply,
     TerminalReply,
 )
-from rollout.openai_protocol import (  # noqa: E402
+from cua_rollout.model.openai_protocol import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
@@ -69,8 +70,7 @@ from rollout.openai_protocol import (  # noqa: E402
     error_body,
     models_body,
 )
-from rollout.server_metrics import vllm_metrics_text  # noqa: E402
-from ui_tars_utils import smart_resize  # noqa: E402
+from cua_rollout.model.server_metrics import vllm_metrics_text  # noqa: E402
 
 RESET_COMMAND = ["sim-reset"]
 """The ``desktops.static.reset_command`` a sim desktop recognises on ``/execute`` as a reset."""
@@ -552,7 +552,8 @@ def _parse_head(head: bytes) -> tuple[bytes, bytes, int, bool]:
 
 
 class _EP:
-    """The desktop protocol's paths (desktop/protocol.py) as the sim matches them: bytes after
+    """The desktop protocol's paths (cua_rollout/desktop/protocol.py) as the sim matches them:
+    bytes after
     ``/d/<index>/``."""
 
     SCREENSHOT = Paths.SCREENSHOT[1:].encode()
@@ -570,7 +571,7 @@ class _EP:
 
 DESKTOP_KINDS = ("screenshot", "action", "reset", "setup", "health", "query", "unknown")
 _EXCLUSIVE = frozenset({"action", "reset", "setup"})  # two at once on a desktop: a double lease
-# Replies built once from the protocol's models (desktop/protocol.py), served as bytes.
+# Replies built once from the protocol's models (cua_rollout/desktop/protocol.py), served as bytes.
 _EXECUTE_OK = CommandReply(status="success", output="", error="", returncode=0
                            ).model_dump_json().encode()
 _RUN_PYTHON_OK = RunPythonReply(status="success", message="", output="", error="",
@@ -694,7 +695,8 @@ _METRICS_PATH = b"/metrics"
 
 class ModelApp(_App):
     """One OpenAI-compatible server of the sim (``index`` picks its speed factor): requests are
-    read from their raw bytes (``summarize_request``), replies are ``rollout.openai_protocol``'s."""
+    read from their raw bytes (``summarize_request``), replies are
+    ``cua_rollout.model.openai_protocol``'s."""
 
     def __init__(self, cfg: ModelSim, index: int) -> None:
         self.cfg = cfg
@@ -1267,9 +1269,9 @@ def _measure(args: argparse.Namespace) -> dict[str, Any]:
 def _chat_body(history: int) -> bytes:
     """A real request body: what the model client sends for ``prompts.build_messages`` over
     full-size sim screenshots."""
-    from config import SamplingConfig
-    from prompts import Turn, build_messages
-    from rollout.screenshot import Screenshot
+    from cua_rollout.agents.uitars.prompt import Turn, build_messages
+    from cua_rollout.config import SamplingConfig
+    from cua_rollout.core.screenshot import Screenshot
 
     shots = [Screenshot(make_screenshot(i)) for i in range(min(history + 1, 6))]
     cfg = ModelSim()

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build the desktop image (desktop/image/Containerfile) with podman or docker, tagged with the
+# Build the desktop image (deploy/desktop-image/Containerfile) with podman or docker, tagged with the
 # project version, the profile and a hash of its inputs; an image of that tag is reused, so a
 # second build of unchanged inputs takes a second. Prints the tag on its last line.
 #
@@ -43,19 +43,20 @@ if [ -z "$engine" ]; then
 fi
 log() { printf '[image] %s\n' "$*" >&2; }
 
-image_dir=desktop/image
+image_dir=deploy/desktop-image
 packages=("$image_dir/apt-base.txt")
 [ "$profile" = osworld ] && packages+=("$image_dir/apt-osworld.txt")
 pkg_list="$(cat "${packages[@]}" | grep -v -E '^[[:space:]]*(#|$)' | sort -u | paste -sd, -)"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 
-# The inputs: the Debian packages, the Python requirements, desktop/ itself and this script.
+# The inputs: the Debian packages, the Python requirements, cua_rollout/desktop/ itself and
+# this script.
 hash_of() { sha256sum | cut -c1-12; }
 # The image's Python: Debian's (the venv sees its python3-pyatspi; pyautogui needs tkinter).
 image_python="python3,python3-venv,python3-tk,ca-certificates"
 base_hash="$(printf '%s\n' "$image_python" "$pkg_list" "$base_from" | hash_of)"
 inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt";
-    find desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
+    find cua_rollout/desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
         | xargs -0 sha256sum; } | hash_of)"
 base_tag="localhost/cua-desktop-base:bookworm-$base_hash"
 tag="localhost/cua-desktop:$version-$profile-$inputs_hash"
@@ -131,7 +132,7 @@ else
     "$engine" build "${build_flags[@]}" -t "$base_tag" -f "$work/Containerfile.base" "$work" >&2
 fi
 
-# --- the image: desktop/, its wheels (built here, so the build needs no network) ------------
+# --- the image: cua_rollout/desktop/, its wheels (built here, so the build needs no network) ------------
 py="${PYTHON:-.venv/bin/python}"
 [ -x "$py" ] || py=python3
 want="$("$engine" run --rm "${run_flags[@]}" "$base_tag" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
@@ -142,8 +143,10 @@ log "wheels of $image_dir/requirements.txt"
 "$py" -m pip wheel -q -w "$work/ctx/wheels" -r "$image_dir/requirements.txt" 2>&1 \
     | { grep -v -e 'is ignored: it is neither' || true; } >&2
 cp "$image_dir/requirements.txt" "$work/ctx/"
-mkdir "$work/ctx/desktop"
-tar -C desktop --exclude=__pycache__ --exclude='*.pyc' --exclude=image -c . | tar -C "$work/ctx/desktop" -x
+# cua_rollout/desktop alone, without cua_rollout/__init__.py: in the image cua_rollout is a
+# namespace package holding the desktop server and nothing of the controller.
+mkdir -p "$work/ctx/cua_rollout/desktop"
+tar -C cua_rollout/desktop --exclude=__pycache__ --exclude='*.pyc' -c . | tar -C "$work/ctx/cua_rollout/desktop" -x
 log "building $tag with $engine"
 "$engine" build "${build_flags[@]}" --build-arg "BASE=$base_tag" \
     --label "org.opencontainers.image.version=$version" --label "cua.profile=$profile" \

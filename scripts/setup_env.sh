@@ -55,11 +55,11 @@ pip_q() { "$py" -m pip "$@" 2>&1 | { grep -v -e 'is ignored: it is neither a fil
 
 # --- Debian packages: the local desktop stack and what tests drive -----------------------
 # The desktop's packages are listed once, for local desktops and the desktop image alike:
-# desktop/image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
-apt_list() { grep -v -E '^[[:space:]]*(#|$)' "desktop/image/$1"; }
+# deploy/desktop-image/apt-base.txt (the demo's desktop) and apt-osworld.txt (the osworld profile).
+apt_list() { grep -v -E '^[[:space:]]*(#|$)' "deploy/desktop-image/$1"; }
 mapfile -t apt_packages < <(apt_list apt-base.txt)
-# The py text mode's sandbox (rollout/text/sandbox.py): bubblewrap's namespaces and mounts,
-# libseccomp's system call filter (rollout/text/seccomp.py).
+# The py text mode's sandbox (cua_rollout/text/sandbox.py): bubblewrap's namespaces and mounts,
+# libseccomp's system call filter (cua_rollout/text/seccomp.py).
 apt_packages+=(bubblewrap libseccomp2)
 # Only the tests need a browser (the trajectory viewer is checked in headless chromium),
 # OCR (the secrets test reads the screenshot of a terminal with tesseract) and a database server.
@@ -102,7 +102,7 @@ spec=".${extras:+[$extras]}"
 # Skip pip when nothing changed since the last successful set-up (a stamp of the inputs).
 stamp="$VENV/.setup-stamp"
 want="$(sha256sum pyproject.toml | cut -c1-16) $spec"
-if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c 'import config' 2>/dev/null; then
+if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ] && "$py" -c 'import cua_rollout' 2>/dev/null; then
     log "Python packages up to date ($spec)"
 else
     pip_q install -q --upgrade pip
@@ -124,7 +124,7 @@ fi
 # vLLM's Qwen2-VL / Qwen2.5-VL code needs torchvision; PyPI's torchvision for this torch is a CUDA
 # build that breaks every vLLM server when installed here (see above). It goes, without its
 # dependencies, into a directory of its own, which run_model.py puts on the PYTHONPATH of
-# vision-language replicas only, with rollout/fleet/vlm_cpu_site/sitecustomize.py.
+# vision-language replicas only, with cua_rollout/model/fleet/vlm_cpu_site/sitecustomize.py.
 if [ "$vlm" = 1 ] && [ "$vllm" = cpu ]; then
     site="$VENV/vlm-cpu-site"
     tv="$("$py" -c 'import torch; major, minor = torch.__version__.split("+")[0].split(".")[:2]; print(f"0.{int(minor) + 15}.0" if major == "2" else "")')"
@@ -140,7 +140,7 @@ fi
 if [ "$vlm" = 1 ] && [ "$vllm" != none ]; then
     # The tiny random Qwen2.5-VL that configs/demo_vlm.yaml serves (built here: no model hub).
     # Rebuilt when its builder changes (a stamp of the builder's hash).
-    vwant="$(sha256sum rollout/testing/tiny_models.py | cut -c1-16)"
+    vwant="$(sha256sum cua_rollout/cli/tiny_models.py | cut -c1-16)"
     if [ -f .models/tiny-vlm/model.safetensors ] && [ "$(cat .models/tiny-vlm/.stamp 2>/dev/null)" = "$vwant" ]; then
         log "tiny VLM present (.models/tiny-vlm)"
     else
@@ -152,7 +152,7 @@ if [ "$vlm" = 1 ] && [ "$vllm" != none ]; then
 fi
 
 # --- the desktop image (desktops.provider: container) --------------------------------------------
-# Rebuilt only when its inputs change (desktop/, its package lists, the build script).
+# Rebuilt only when its inputs change (cua_rollout/desktop/, its package lists, the build script).
 if [ "$containers" = 1 ]; then
     if [ "$(id -u)" = 0 ]; then
         PYTHON="$py" bash scripts/build_desktop_image.sh --profile demo >/dev/null
@@ -163,7 +163,7 @@ fi
 
 # --- OSWorld's evaluator code, in an environment of its own ----------------------------------
 # desktop-env pins numpy<2, Pillow 11 and pandas<2.3, which the project's environment cannot
-# share; the evaluator worker (rollout/evaluation/osworld_worker.py) runs under this one.
+# share; the evaluator worker (cua_rollout/evaluation/osworld_worker.py) runs under this one.
 # --no-deps for desktop-env itself: its other dependencies (torch, agents, cloud SDKs) are
 # never imported by scoring; requirements/osworld-evaluators.txt lists what is.
 if [ "$osworld" = 1 ]; then

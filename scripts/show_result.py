@@ -2,73 +2,12 @@
 per OSWorld group, feasible and infeasible apart, overall; avg@k, pass@k, status counts;
 or per model version (--by-version) or per pass over the task set (--by-pass). Episodes
 can be narrowed by version (--min-version, --exclude-mixed). Figures and --json schema:
-rollout/results/summary.py. Exit codes: 0, 2 on bad usage (an unknown --min-version too)."""
+cua_rollout/results/summary.py. Exit codes: 0, 2 on bad usage (an unknown --min-version too).
 
-from __future__ import annotations
+The code is ``cua_rollout.cli.show_result``; see ``cua-rollout --help``.
+"""
 
-import argparse
-import json
-import sys
-
-from rollout.results import (
-    add_json_flag,
-    add_version_filters,
-    open_run,
-    print_pass_table,
-    print_table,
-    print_version_table,
-    results_parser,
-    select_run,
-    summarize,
-)
-
-__all__ = ["main"]
-
-
-def _parser() -> argparse.ArgumentParser:
-    parser = results_parser(
-        "show_result.py",
-        "Success rate per domain and overall, avg@k and pass@k, status counts, "
-        "mean steps and time of one run.",
-        epilog="infra_error and cancelled episodes are counted but left out of every rate. "
-        "The --json schema is in rollout/results/summary.py.",
-    )
-    add_json_flag(parser)
-    parser.add_argument(
-        "--by-version", action="store_true",
-        help="a row per model version instead of per domain: each episode under its first "
-        "version, mixed ones also in a 'mixed' row (--json: the \"by_version\" key)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--by-pass", action="store_true",
-        help="a row per pass over the task set (pass_index) instead of per domain "
-        "(--json: the \"by_pass\" key)",
-    )  # fmt: skip
-    add_version_filters(parser)
-    return parser
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    args = parser.parse_args(argv)
-    run = select_run(parser, open_run(parser, args.run_dir), args)
-    summary = summarize(run, by_version=args.by_version, by_pass=args.by_pass)
-    if not run.episodes:  # still exit 0: a run that has just started
-        excluded = summary["selection"]["excluded_episodes"]
-        note = f" ({excluded} left out by the version options)" if excluded else ""
-        print(f"{run.path}: no finished episodes{note}",
-              file=sys.stderr if args.json else sys.stdout)  # fmt: skip
-    if args.json:
-        print(json.dumps(summary, indent=2))
-    elif run.episodes:
-        if args.by_version:
-            print_version_table(summary)
-        if args.by_pass:
-            print_pass_table(summary)
-        if not (args.by_version or args.by_pass):
-            print_table(summary)
-    return 0
-
+from cua_rollout.cli.show_result import main
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

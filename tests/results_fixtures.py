@@ -1,4 +1,4 @@
-"""Synthetic run directories for the tests of rollout.results and the result scripts, written as
+"""Synthetic run directories for the tests of cua_rollout.results and the result scripts, written as
 docs/results_format.md describes (and one in OSWorld's own layout), with figures small
 enough to work out by hand in the tests."""
 

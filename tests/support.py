@@ -59,8 +59,9 @@ async def side_by_side(
     """``count`` local desktops of one pool on this host (where apps' ports, names and pkill
     must not cross between desktops), each leased, with a client: ``(pool, leases, envs)``.
     The clients are closed and the pool stopped on leaving."""
-    from config import DesktopsConfig
-    from env_k8s import DesktopPool, RemoteDesktopEnv
+    from cua_rollout.config import DesktopsConfig
+    from cua_rollout.envs.client import RemoteDesktopEnv
+    from cua_rollout.runtime.pool import DesktopPool
 
     cfg = DesktopsConfig(count=count, warm_spares=0, screen_width=1024, screen_height=768,
                          lease_timeout_s=30, reset_timeout_s=60, setup_timeout_s=60,
@@ -94,8 +95,8 @@ def require_vlm_serving() -> None:
     """vLLM and the isolated torchvision that vision-language replicas need."""
     import importlib.util
 
-    from config import load_config
-    from rollout.fleet.launch import vlm_cpu_site
+    from cua_rollout.config import load_config
+    from cua_rollout.model.fleet.launch import vlm_cpu_site
 
     if importlib.util.find_spec("vllm") is None:
         unavailable("vLLM is not installed")

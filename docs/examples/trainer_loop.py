@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout.layout import INDEX_FILE
-from rollout.training import ClaimedGroup, TrainingIndex, default_url
+from cua_rollout.core.layout import INDEX_FILE
+from cua_rollout.training import ClaimedGroup, TrainingIndex, default_url
 
 
 def train_on(batch: list[dict[str, Any]]) -> None:

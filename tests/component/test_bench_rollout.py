@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from benchmarks import bench_rollout
-from model_service_pool import IMAGE_MARK, RequestBody
-from prompts import Turn, build_messages
-from rollout.screenshot import DataURL, Screenshot
-from storage_actor import PART_BYTES, png_parts
+from cua_rollout.agents.uitars.prompt import Turn, build_messages
+from cua_rollout.core.screenshot import DataURL, Screenshot
+from cua_rollout.model.service_pool import IMAGE_MARK, RequestBody
+from cua_rollout.runtime.storage import PART_BYTES, png_parts
 
 
 def _png(seed: int, size: tuple[int, int] = (1920, 1080)) -> bytes:

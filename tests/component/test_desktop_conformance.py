@@ -9,17 +9,13 @@ import httpx2
 import pytest
 
 from benchmarks.sim_world import DesktopSim, Latency, SimWorld
-from config import DesktopsConfig, StaticDesktopsConfig
-from env_k8s import (
-    DesktopPool,
-    RemoteDesktopEnv,
-    StaticProvider,
-    check_desktop_env,
-    close_shared_client,
-)
-from rollout.envs.checker import ConformanceError
-from rollout.errors import DesktopError
-from rollout.testing.fake_desktop import FakeDesktop, solid_png
+from cua_rollout.config import DesktopsConfig, StaticDesktopsConfig
+from cua_rollout.core.errors import DesktopError
+from cua_rollout.envs.checker import ConformanceError, check_desktop_env
+from cua_rollout.envs.client import RemoteDesktopEnv, close_shared_client
+from cua_rollout.envs.providers.static import StaticProvider
+from cua_rollout.runtime.pool import DesktopPool
+from tests.doubles.fake_desktop import FakeDesktop, solid_png
 
 
 async def test_a_conforming_fake_passes_and_is_closed():

@@ -10,11 +10,12 @@ import time
 
 import pytest
 
-from config import DesktopsConfig
-from env_k8s import DesktopPool, DesktopProvider
-from rollout.errors import DesktopError, DesktopUnavailable
-from rollout.testing.fake_desktop import FakeProvider
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import DesktopError, DesktopUnavailable
+from cua_rollout.envs.providers import DesktopProvider
+from cua_rollout.runtime.pool import DesktopPool
 from tests import support
+from tests.doubles.fake_desktop import FakeProvider
 
 
 def cfg(**kw) -> DesktopsConfig:
@@ -142,7 +143,7 @@ class _RefusingProvider(FakeProvider):
 
 async def test_a_desktop_that_cannot_be_replaced_is_started_again_with_backoff(
         make_pool, monkeypatch):
-    from rollout.envs import pool as pool_module
+    from cua_rollout.runtime import pool as pool_module
 
     monkeypatch.setattr(pool_module, "_REFILL_BACKOFF_INITIAL_S", 0.1)
     monkeypatch.setattr(pool_module, "_REFILL_BACKOFF_MAX_S", 0.4)

@@ -15,16 +15,16 @@ from typing import Any
 
 import pytest
 
-from config import Config, load_config
-from env_k8s import DesktopPool
-from rollout.errors import DesktopError
-from rollout.fleet.state import write_state
-from rollout.testing.fake_desktop import FakeDesktop, FakeProvider
-from rollout.testing.fake_openai import FakeOpenAIServer
-from rollout.types import EpisodeResult, EpisodeSpec
-from storage_actor import StorageActor
+from cua_rollout.config import Config, load_config
+from cua_rollout.core.errors import DesktopError
+from cua_rollout.core.types import EpisodeResult, EpisodeSpec
+from cua_rollout.model.fleet.state import write_state
+from cua_rollout.runtime.pool import DesktopPool
+from cua_rollout.runtime.runner import TrajectoryRunner
+from cua_rollout.runtime.storage import StorageActor
+from tests.doubles.fake_desktop import FakeDesktop, FakeProvider
+from tests.doubles.fake_openai import FakeOpenAIServer
 from tests.support import REPO_ROOT
-from trajectory_runner import TrajectoryRunner
 
 ROOT = REPO_ROOT
 SCREEN = (1280, 720)
@@ -337,7 +337,7 @@ async def test_a_slow_metric_times_out_without_freezing_the_runner(make_world, m
     ends its own episode at evaluation_timeout_s while the runner keeps answering."""
     import time as time_module
 
-    from rollout.evaluation import METRICS
+    from cua_rollout.evaluation import METRICS
 
     monkeypatch.setitem(METRICS, "slow_metric", lambda *a, **k: time_module.sleep(2) or 1.0)
     world = await make_world("runner.evaluation_timeout_s=0.3",

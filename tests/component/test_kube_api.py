@@ -1,4 +1,4 @@
-"""The Kubernetes API test server (rollout/testing/kube_api.py) through the official client:
+"""The Kubernetes API test server (tests/doubles/kube_api.py) through the official client:
 CoreV1Api configured from the kubeconfig it writes, kubernetes.watch.Watch, real HTTP on
 loopback. What the Kubernetes provider's tests will rely on is pinned here, including how the
 client surfaces each failure."""
@@ -17,7 +17,7 @@ import pytest
 import urllib3
 from kubernetes import client, config, watch
 
-from rollout.testing.kube_api import (
+from tests.doubles.kube_api import (
     KubeAPIServer,
     evicted_status,
     image_pull_backoff_status,

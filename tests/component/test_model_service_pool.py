@@ -11,11 +11,10 @@ from collections import Counter
 import httpx2
 import pytest
 
-from config import ModelConfig, ModelPoolConfig, SamplingConfig
-from model_service_pool import ENDPOINTS_FILE, ModelServicePool
-from rollout.errors import ContextTooShort, ModelRequestError, ModelUnavailable
-from rollout.fleet.control import ENDPOINTS_PATH, ControlServer
-from rollout.openai_protocol import (
+from cua_rollout.config import ModelConfig, ModelPoolConfig, SamplingConfig
+from cua_rollout.core.errors import ContextTooShort, ModelRequestError, ModelUnavailable
+from cua_rollout.model.fleet.control import ENDPOINTS_PATH, ControlServer
+from cua_rollout.model.openai_protocol import (
     ChatReply,
     ChatRequest,
     ErrorReply,
@@ -24,7 +23,8 @@ from rollout.openai_protocol import (
     parse_chat_completion,
     parse_chat_request,
 )
-from rollout.testing.fake_openai import FakeOpenAIServer
+from cua_rollout.model.service_pool import ENDPOINTS_FILE, ModelServicePool
+from tests.doubles.fake_openai import FakeOpenAIServer
 
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 

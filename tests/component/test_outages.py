@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 from ray.exceptions import ActorUnavailableError
 
-from agent_coordinator import AgentCoordinator
-from config import Config, load_config
-from env_k8s import DesktopPool
-from rollout.testing.fake_desktop import FakeDesktop, FakeProvider
-from rollout.testing.fake_openai import FakeOpenAIServer
-from rollout.types import EpisodeSpec
-from storage_actor import StorageActor
+from cua_rollout.config import Config, load_config
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.coordinator import AgentCoordinator
+from cua_rollout.runtime.pool import DesktopPool
+from cua_rollout.runtime.runner import TrajectoryRunner
+from cua_rollout.runtime.storage import StorageActor
+from tests.doubles.fake_desktop import FakeDesktop, FakeProvider
+from tests.doubles.fake_openai import FakeOpenAIServer
 from tests.support import REPO_ROOT
-from trajectory_runner import TrajectoryRunner
 
 TASK = {"id": "t", "instruction": "finish", "config": [],
         "evaluator": {"func": "infeasible"}}  # FAIL solves it; finished() does not
@@ -192,7 +192,7 @@ async def test_a_runner_stuck_past_every_deadline_is_declared_dead_and_replaced(
     """Review M6/M3: the coordinator's await on a runner has a deadline; a runner that does
     not answer past it is declared dead (killed in Ray mode), its desktops are given back,
     and the episode runs on a new runner."""
-    import agent_coordinator
+    import cua_rollout.runtime.coordinator as agent_coordinator
 
     monkeypatch.setattr(agent_coordinator, "episode_deadline_s", lambda cfg: 0.5)
     monkeypatch.setattr(agent_coordinator, "_RUNNER_WATCHDOG_MARGIN_S", 0.5)

@@ -1,11 +1,10 @@
-"""The run timeline (rollout.results.timeline) and plot_run.py's timeline and utilization
+"""The run timeline (cua_rollout.results.timeline) and plot_run.py's timeline and utilization
 plots, on a run directory written by hand (with the storage's file helpers) whose segments
 and time split are worked out below, and on an older run without the new timing fields."""
 
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Any
@@ -13,8 +12,9 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from rollout.files import append_text, write_atomic
-from rollout.layout import (
+from cua_rollout.cli import plot_run, view_trajectory
+from cua_rollout.core.files import append_text, write_atomic
+from cua_rollout.core.layout import (
     EPISODE_FILE,
     METRICS_FILE,
     RESULTS_FILE,
@@ -22,8 +22,8 @@ from rollout.layout import (
     SUPERSEDED_RESULTS_FILE,
     TRAJ_FILE,
 )
-from rollout.results import load_run
-from rollout.results.timeline import (
+from cua_rollout.results import load_run
+from cua_rollout.results.timeline import (
     ATTEMPT_DIR_PREFIX,
     IDLE,
     PHASES,
@@ -35,12 +35,6 @@ from rollout.results.timeline import (
     run_span,
 )
 from tests.results_fixtures import RUN_A, make_run, traj_line
-from tests.support import REPO_ROOT
-
-sys.path.insert(0, str(REPO_ROOT / "scripts"))  # the scripts are files: import them as modules
-
-import plot_run
-import view_trajectory
 
 T0 = 1_700_000_000.0
 RUN_END = 70.0  # run.json ended_at - T0

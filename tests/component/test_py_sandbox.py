@@ -1,4 +1,4 @@
-"""The ``py`` environment's Python sandbox (rollout/text/sandbox.py), for real: bubblewrap
+"""The ``py`` environment's Python sandbox (cua_rollout/text/sandbox.py), for real: bubblewrap
 sandboxes on this machine, real processes watched from the host with psutil, real TCP, UDP and
 Unix listeners. Each hostile snippet (endless loop, fork bomb, memory hog, output flood, disk
 filler, reads of host files, network) must be stopped or refused, reported, leave no process
@@ -21,8 +21,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from rollout.errors import ToolError, ToolUnavailable
-from rollout.text.sandbox import (
+from cua_rollout.core.errors import ToolError, ToolUnavailable
+from cua_rollout.envs.tools import Tool
+from cua_rollout.text.sandbox import (
     PythonSandbox,
     PythonTool,
     SandboxLimits,
@@ -30,7 +31,6 @@ from rollout.text.sandbox import (
     format_run,
     sandbox_problem,
 )
-from rollout.text.tools import Tool
 from tests.support import REPO_ROOT, until
 
 # Generous: a CI run may be using both cores while these run.
@@ -340,7 +340,7 @@ async def test_no_network(box: PythonSandbox):
 
 
 async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: PythonSandbox):
-    """The seccomp filter (rollout.text.seccomp): a nested user namespace (which let a snippet
+    """The seccomp filter (cua_rollout.text.seccomp): a nested user namespace (which let a snippet
     mount a tmpfs no limit counts), mounts, ptrace, the key store, bpf and anonymous memory
     files are refused, with the call and the unshare command alike; threads, processes,
     pools, POSIX shared memory and ctypes callbacks still work."""

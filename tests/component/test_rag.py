@@ -1,4 +1,4 @@
-"""The ``rag`` environment's retrieval (rollout/text/rag.py) with the real embedding model
+"""The ``rag`` environment's retrieval (cua_rollout/text/rag.py) with the real embedding model
 (wordllama's l2_supercat, shipped in its wheel) and a real faiss index: a planted passage is
 found among ~150 distractors by queries that paraphrase it, over JSONL and directory corpora;
 long texts are chunked; a malformed corpus names its file and line; the index cache is reused
@@ -21,17 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout.errors import ConfigError, ToolError, ToolUnavailable
-from rollout.testing.rag_corpus import (
-    NEAR,
-    PARAPHRASES,
-    PLANTED,
-    PLANTED_ID,
-    TOPICS,
-    distractors,
-    write_jsonl,
-)
-from rollout.text.rag import (
+from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
+from cua_rollout.envs.tools import Tool
+from cua_rollout.text.rag import (
     DEFAULT_MODEL,
     MODELS,
     RagSettings,
@@ -40,7 +32,15 @@ from rollout.text.rag import (
     chunk_text,
     shared_retriever,
 )
-from rollout.text.tools import Tool
+from tests.doubles.rag_corpus import (
+    NEAR,
+    PARAPHRASES,
+    PLANTED,
+    PLANTED_ID,
+    TOPICS,
+    distractors,
+    write_jsonl,
+)
 from tests.support import REPO_ROOT, unavailable
 
 
@@ -350,7 +350,7 @@ def test_model_loads_without_any_network(corpus: Path) -> None:
     """The weights ship in the wheel: a build and a search succeed in a fresh interpreter in a
     network namespace of its own (no interface but a down loopback), with no model cache."""
     script = (
-        "from rollout.text.rag import RagSettings, Retriever\n"
+        "from cua_rollout.text.rag import RagSettings, Retriever\n"
         f"r = Retriever.build(RagSettings(corpus={str(corpus)!r}))\n"
         f"print(r.search({PARAPHRASES[1]!r}, 1)[0].id)\n")
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
@@ -370,8 +370,8 @@ def test_missing_package_is_tool_unavailable(corpus: Path, package: str) -> None
     script = (
         "import sys\n"
         f"sys.modules[{package!r}] = None\n"
-        "from rollout.errors import ToolUnavailable\n"
-        "from rollout.text.rag import RagSettings, Retriever\n"
+        "from cua_rollout.core.errors import ToolUnavailable\n"
+        "from cua_rollout.text.rag import RagSettings, Retriever\n"
         "try:\n"
         f"    Retriever.build(RagSettings(corpus={str(corpus)!r}))\n"
         "except ToolUnavailable as exc:\n"

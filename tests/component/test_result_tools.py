@@ -1,6 +1,6 @@
 """The result scripts (scripts/show_result.py, experiment_result_stats.py,
 compare_exp_result.py, view_trajectory.py, plot_run.py) and the library they share,
-rollout.results, on synthetic run directories whose figures are worked out by hand in
+cua_rollout.results, on synthetic run directories whose figures are worked out by hand in
 tests/results_fixtures.py."""
 
 from __future__ import annotations
@@ -20,7 +20,14 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from rollout.results import load_run, select_versions, version_order
+from cua_rollout.cli import (
+    compare_exp_result,
+    experiment_result_stats,
+    plot_run,
+    show_result,
+    view_trajectory,
+)
+from cua_rollout.results import load_run, select_versions, version_order
 from tests.results_fixtures import (
     RUN_A,
     RUN_B,
@@ -36,13 +43,6 @@ from tests.support import REPO_ROOT, unavailable
 
 REPO = REPO_ROOT
 SCRIPTS = REPO / "scripts"
-sys.path.insert(0, str(SCRIPTS))  # the scripts are files, not a package: import them as modules
-
-import compare_exp_result  # noqa: E402
-import experiment_result_stats  # noqa: E402
-import plot_run  # noqa: E402
-import show_result  # noqa: E402
-import view_trajectory  # noqa: E402
 
 ALL_SCRIPTS = (
     "show_result.py",
@@ -927,7 +927,7 @@ def test_viewer_renders_a_text_episodes_turns_and_tool_calls(text_a, tmp_path):
 
 
 def test_viewer_names_the_agents_tool_return_codes():
-    from rollout.text import agent
+    from cua_rollout.text import agent
 
     assert set(view_trajectory._TOOL_RETURNCODES) == {
         agent.TOOL_FAILED, agent.TOOL_MALFORMED, agent.TOOL_UNKNOWN, agent.TOOL_OVER_LIMIT}
@@ -1123,14 +1123,19 @@ def test_every_script_runs_as_a_command_from_another_cwd(run_a, run_b, tmp_path)
     missing = _cli("show_result.py", "no_such_run", cwd=tmp_path)
     assert missing.returncode == 2
     assert missing.stderr.strip() == "show_result.py: error: no_such_run: no such directory"
+    # The same command through the package's one entry point.
+    command = subprocess.run([sys.executable, "-m", "cua_rollout", "results", "show", "run_a",
+                              "--json"], cwd=tmp_path, capture_output=True, text=True,
+                             timeout=120)  # fmt: skip
+    assert command.returncode == 0, command.stderr
+    assert json.loads(command.stdout) == json.loads(shown.stdout)
 
 
 def test_the_scripts_and_the_library_import_no_heavy_module_up_front(tmp_path):
     # Reading results needs no Ray; matplotlib and PIL only when a script draws.
-    names = ", ".join(Path(s).stem for s in ALL_SCRIPTS)
+    names = ", ".join(f"cua_rollout.cli.{Path(s).stem}" for s in ALL_SCRIPTS)
     heavy = ("ray", "matplotlib", "PIL")
-    for imports in (f"import sys; sys.path.insert(0, {str(SCRIPTS)!r}); import {names}",
-                    "import sys, rollout.results"):  # fmt: skip
+    for imports in (f"import sys, {names}", "import sys, cua_rollout.results"):
         code = f"{imports}; print(sorted(m for m in {heavy!r} if m in sys.modules))"
         done = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True,
                               text=True, timeout=60)  # fmt: skip
@@ -1138,28 +1143,26 @@ def test_the_scripts_and_the_library_import_no_heavy_module_up_front(tmp_path):
         assert done.stdout.strip() == "[]", imports
 
 
-def test_the_scripts_use_the_package_not_sys_path():
-    for script in sorted(SCRIPTS.glob("*.py")):
-        text = script.read_text()
-        assert "sys.path" not in text, script.name
-        if script.name not in ("check_tasks.py", "desktops.py"):  # not about results
-            assert "from rollout.results import" in text, script.name
+def test_the_result_commands_use_the_results_library():
+    for script in ALL_SCRIPTS:
+        text = (REPO / "cua_rollout" / "cli" / script).read_text()
+        assert "from cua_rollout.results import" in text, script
     assert not (SCRIPTS / "results_io.py").exists()
 
 
 def test_public_surface_of_rollout_results():
     import importlib
 
-    package = importlib.import_module("rollout.results")
+    package = importlib.import_module("cua_rollout.results")
     for module_name in ("runs", "rates", "summary", "cli", "versions"):
-        module = importlib.import_module(f"rollout.results.{module_name}")
+        module = importlib.import_module(f"cua_rollout.results.{module_name}")
         for name in module.__all__:
             assert not name.startswith("_") and hasattr(module, name), (module_name, name)
             assert getattr(package, name) is getattr(module, name), name
     assert sorted(package.__all__) == sorted(
         name for m in ("runs", "rates", "summary", "cli", "versions")
-        for name in importlib.import_module(f"rollout.results.{m}").__all__
+        for name in importlib.import_module(f"cua_rollout.results.{m}").__all__
     )  # fmt: skip
     for script in ALL_SCRIPTS:
-        module = importlib.import_module(Path(script).stem)
+        module = importlib.import_module(f"cua_rollout.cli.{Path(script).stem}")
         assert "main" in module.__all__ and all(hasattr(module, n) for n in module.__all__)

@@ -10,15 +10,15 @@ import time
 import pytest
 from PIL import Image
 
-from config import ModelConfig
-from model_service_pool import ModelServicePool
-from prompts import Turn, build_messages
-from rollout.errors import ConfigError
-from rollout.http import ThreadedServer
-from rollout.openai_protocol import ChatCompletion, ErrorReply, parse_chat_completion
-from rollout.screenshot import Screenshot
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from ui_tars_utils import parse_response, to_pyautogui
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.uitars import parse_response, to_pyautogui
+from cua_rollout.agents.uitars.prompt import Turn, build_messages
+from cua_rollout.config import ModelConfig
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.core.screenshot import Screenshot
+from cua_rollout.model.openai_protocol import ChatCompletion, ErrorReply, parse_chat_completion
+from cua_rollout.model.service_pool import ModelServicePool
 
 SOLUTION = [
     "Thought: Open the editor.\nAction: click(start_box='(100,200)')",

@@ -1,5 +1,5 @@
 """Component: the OSWorld setup steps we added and the host's download cache
-(``rollout.envs.downloads``), against a real HTTP server on loopback that counts what it
+(``cua_rollout.envs.downloads``), against a real HTTP server on loopback that counts what it
 serves. A URL is downloaded once per host even when two processes ask for it twice each at
 the same moment; offline, a miss names the URL and every path looked at; HTTP errors name
 their status; OSWorld's cache names are read as they are; a cached name linked out of the
@@ -25,23 +25,23 @@ from typing import Any
 
 import pytest
 
-from config import DesktopsConfig
-from rollout.envs.chrome import (
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import BadTaskStep, TaskSetupError, UnsupportedSetupStep
+from cua_rollout.envs.chrome import (
     HISTORY_TEMPLATE_NAME,
     HISTORY_TEMPLATE_URL,
     DevTools,
     chrome_time,
     same_page_url,
 )
-from rollout.envs.client import RemoteDesktopEnv
-from rollout.envs.downloads import DownloadCache, download_cache
-from rollout.envs.setup_steps import (
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.downloads import DownloadCache, download_cache
+from cua_rollout.envs.setup_steps import (
     STEP_PARAMETERS,
     STEP_TYPES,
     run_setup_step,
     step_problem,
 )
-from rollout.errors import BadTaskStep, TaskSetupError, UnsupportedSetupStep
 
 # How long the server takes over a body: long enough that concurrent fetches overlap.
 SLOW_BODY_S = 0.5

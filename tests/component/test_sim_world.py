@@ -25,12 +25,15 @@ from benchmarks.sim_world import (
     sim_reply,
     summarize_request,
 )
-from config import DesktopsConfig, ModelConfig, SamplingConfig, StaticDesktopsConfig
-from env_k8s import Desktop, RemoteDesktopEnv, StaticProvider, close_shared_client
-from model_service_pool import ModelServicePool
-from prompts import Turn, build_messages
-from rollout.screenshot import Screenshot, png_size
-from ui_tars_utils import parse_response, smart_resize
+from cua_rollout.agents.uitars import parse_response
+from cua_rollout.agents.uitars.prompt import Turn, build_messages
+from cua_rollout.config import DesktopsConfig, ModelConfig, SamplingConfig, StaticDesktopsConfig
+from cua_rollout.core.screenshot import Screenshot, png_size
+from cua_rollout.core.vision import smart_resize
+from cua_rollout.envs.client import RemoteDesktopEnv, close_shared_client
+from cua_rollout.envs.providers import Desktop
+from cua_rollout.envs.providers.static import StaticProvider
+from cua_rollout.model.service_pool import ModelServicePool
 
 ACTION_S = 0.2
 RESET_S = 0.3

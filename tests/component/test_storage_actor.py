@@ -7,8 +7,8 @@ import asyncio
 import json
 from pathlib import Path
 
-from config import StorageConfig
-from storage_actor import StorageActor
+from cua_rollout.config import StorageConfig
+from cua_rollout.runtime.storage import StorageActor
 
 PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
 
@@ -130,7 +130,7 @@ def _group_record(episode_id: str, reward: float, size: int = 2) -> dict:
 
 
 async def test_results_reach_the_index_and_a_group_once_it_is_complete(tmp_path: Path):
-    from rollout.training import TrainingIndex, default_url
+    from cua_rollout.training import TrainingIndex, default_url
 
     storage = StorageActor(tmp_path / "run")
     await storage.start_run({"run": "t"})
@@ -146,7 +146,7 @@ async def test_results_reach_the_index_and_a_group_once_it_is_complete(tmp_path:
 
 
 async def test_a_failing_index_is_retried_and_loses_nothing(tmp_path: Path, monkeypatch):
-    import storage_actor
+    import cua_rollout.runtime.storage as storage_actor
 
     monkeypatch.setattr(storage_actor, "backoff_s", lambda *a, **k: 0.01)
     storage = StorageActor(tmp_path / "run")
@@ -174,7 +174,7 @@ async def test_an_index_that_cannot_be_opened_stops_the_start_by_name(tmp_path: 
 
     import pytest
 
-    from rollout.errors import StorageError
+    from cua_rollout.core.errors import StorageError
 
     with socket.socket() as s:  # a port nothing listens on
         s.bind(("127.0.0.1", 0))
@@ -189,7 +189,7 @@ async def test_an_index_that_cannot_be_opened_stops_the_start_by_name(tmp_path: 
 async def test_a_new_start_brings_the_index_up_to_date(tmp_path: Path):
     """A result line written while the index was unreachable (or a deleted index.db) is
     indexed when the run starts again."""
-    from rollout.layout import INDEX_FILE
+    from cua_rollout.core.layout import INDEX_FILE
 
     run = tmp_path / "run"
     storage = StorageActor(run, StorageConfig(index=False))

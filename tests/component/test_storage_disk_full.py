@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from config import StorageConfig
-from rollout.errors import StorageError
-from rollout.files import append_text, repair_jsonl_tail
-from rollout.testing.disk import fill
-from storage_actor import StorageActor, compact_results
+from cua_rollout.config import StorageConfig
+from cua_rollout.core.errors import StorageError
+from cua_rollout.core.files import append_text, repair_jsonl_tail
+from cua_rollout.runtime.storage import StorageActor, compact_results
+from tests.doubles.disk import fill
 from tests.support import small_filesystem
 
 TASK = {"id": "t", "instruction": "x"}

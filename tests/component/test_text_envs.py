@@ -1,8 +1,8 @@
-"""The text environments (``rollout.text.envs.ToolEnv``) with small real tools written here:
+"""The text environments (``cua_rollout.text.envs.ToolEnv``) with small real tools written here:
 the model's mistakes (unknown tool, arguments that are not a JSON object, a refused or slow
 call) come back as results with their return codes, a tool that cannot run raises; the
-conformance checker (``rollout.envs.checker.check_text_env``) passes good environments and
-names the break of broken ones; the tools' schema check (``rollout.text.tools``); and the
+conformance checker (``cua_rollout.envs.checker.check_text_env``) passes good environments and
+names the break of broken ones; the tools' schema check (``cua_rollout.envs.tools``); and the
 environments ``make_text_env`` builds from the config, the web one against a real corpus
 server on loopback."""
 
@@ -20,14 +20,14 @@ from typing import Any
 
 import pytest
 
-from config import TextConfig
-from rollout.envs.checker import ConformanceError, check_text_env
-from rollout.envs.contract import StepResult, TextEnv, ToolCall
-from rollout.errors import ConfigError, ToolError, ToolUnavailable
-from rollout.text.agent import TOOL_FAILED, TOOL_MALFORMED, TOOL_OK, TOOL_UNKNOWN
-from rollout.text.envs import ToolEnv, make_text_env
-from rollout.text.tools import Tool, ToolSpec, check_arguments
-from rollout.text.web_corpus import WebCorpusServer
+from cua_rollout.config import TextConfig
+from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
+from cua_rollout.envs.checker import ConformanceError, check_text_env
+from cua_rollout.envs.contract import StepResult, TextEnv, ToolCall
+from cua_rollout.envs.tools import Tool, ToolSpec, check_arguments
+from cua_rollout.text.agent import TOOL_FAILED, TOOL_MALFORMED, TOOL_OK, TOOL_UNKNOWN
+from cua_rollout.text.envs import ToolEnv, make_text_env
+from cua_rollout.text.web_corpus import WebCorpusServer
 
 # --------------------------------------------------------------------------- tools
 
@@ -354,7 +354,7 @@ def _ok_on_everything(call: ToolCall) -> StepResult:
 
 @pytest.mark.parametrize(("env", "message"), [
     (FakeTextEnv(step=_raise_on_unknown),
-     "FakeTextEnv raised KeyError (not a rollout.errors.RolloutError): "
+     "FakeTextEnv raised KeyError (not a cua_rollout.core.errors.RolloutError): "
      "'conformance_check_no_such_"),
     (FakeTextEnv(reset_value=None), "reset() must return the task's question, got None"),
     (FakeTextEnv(reset_value="something else"), "reset() must return the task's question"),
@@ -417,7 +417,7 @@ async def test_an_object_without_the_text_env_shape_fails_the_checker() -> None:
 
 async def test_tools_that_are_not_tool_specs_are_named() -> None:
     env = FakeTextEnv(tools=[_spec().openai()])
-    with pytest.raises(ConformanceError, match=r"tools must be rollout\.text\.tools\.ToolSpec"):
+    with pytest.raises(ConformanceError, match=r"tools must be cua_rollout\.envs\.tools\.ToolSpec"):
         await check_text_env(env)
 
 
@@ -426,7 +426,7 @@ async def test_a_tool_env_whose_tool_crashes_fails_the_checker() -> None:
     env = _env(EchoTool(), crash)
     with pytest.raises(ConformanceError,
                        match=r"ToolEnv raised RuntimeError \(not a "
-                             r"rollout\.errors\.RolloutError\): a bug in the tool"):
+                             r"cua_rollout\.core\.errors\.RolloutError\): a bug in the tool"):
         await check_text_env(env)
     assert crash.closed == 1
 

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from rollout.errors import ConfigError
-from rollout.results.trackers import check_tracker, curves, flatten, log_run, summary_metrics
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.results.trackers import check_tracker, curves, flatten, log_run, summary_metrics
 from tests.results_fixtures import RUN_A, make_run
 
 mlflow = pytest.importorskip("mlflow")  # a dev dependency: present wherever tests run

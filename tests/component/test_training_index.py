@@ -1,4 +1,4 @@
-"""The trainer's index (rollout/training) on SQLite files in a temporary directory, over run
+"""The trainer's index (cua_rollout/training) on SQLite files in a temporary directory, over run
 directories the tests write (results.jsonl, run.json, each episode's traj.jsonl): groups made
 when complete, reindex = incremental, claims exactly once across threads and processes,
 leases, release, version filters, exports that reproduce the files, the CLI's exit codes."""
@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.training import (
+from cua_rollout.training import (
     TrainingIndex,
     TrainingIndexError,
     default_url,
@@ -25,7 +25,7 @@ from rollout.training import (
     group_record,
     index_url,
 )
-from rollout.training.cli import main
+from cua_rollout.training.cli import main
 from tests.support import REPO_ROOT
 
 RUN = "demo-run"
@@ -156,7 +156,7 @@ def test_an_infra_error_rerun_rebuilds_a_ready_group_not_a_claimed_one(index, tm
 
     rebuilt = index.record_episode(RUN, tmp_path, episode("t1", 1, "success", 1.0))
     assert rebuilt is not None and rebuilt["masked"] == [] and rebuilt["mean"] == 0.5
-    with caplog.at_level(logging.WARNING, logger="rollout.training.index"):
+    with caplog.at_level(logging.WARNING, logger="cua_rollout.training.index"):
         assert index.record_episode(RUN, tmp_path, episode("t0", 1, "success", 1.0)) is None
     assert "chrome/t0/pass-0" in caplog.text and "claimed" in caplog.text
     groups = {g.group_id: g for g in index.groups()}
@@ -196,7 +196,7 @@ def test_records_without_group_size_make_groups_once_the_run_finished(index, tmp
     with (run_dir / "results.jsonl").open("a") as f:
         f.write('{"episode_id": "cut sho\n[1, 2]\n'
                 '{"episode_id": "chrome/t9/0", "status": "success", "rollout": "zero"}\n')
-    with caplog.at_level(logging.WARNING, logger="rollout.training.index"):
+    with caplog.at_level(logging.WARNING, logger="cua_rollout.training.index"):
         counts = index.reindex(run_dir, run="old")
     assert counts["skipped"] == 3 and counts["groups"] == 0 and counts["episodes"] == 7
     assert "results.jsonl:8: not JSON" in caplog.text
@@ -574,10 +574,10 @@ def test_index_url_takes_the_password_from_the_environment(monkeypatch):
 def test_cli_password_comes_from_the_environment(tmp_path):
     env = {"PATH": "/usr/bin:/bin", "CUA_TEST_DB_PASSWORD": "s3cret"}
     done = subprocess.run(
-        [sys.executable, "-m", "rollout.training", "--db",
+        [sys.executable, "-m", "cua_rollout.training", "--db",
          "postgresql+psycopg://trainer@127.0.0.1:1/db", "--password-env", "CUA_TEST_DB_PASSWORD",
          "status"], cwd=REPO_ROOT, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 1
-    assert done.stderr.startswith("python -m rollout.training: error: cannot open "
+    assert done.stderr.startswith("python -m cua_rollout.training: error: cannot open "
                                   "postgresql+psycopg://trainer:***@127.0.0.1:1/db")
     assert "s3cret" not in done.stderr and len(done.stderr.splitlines()) == 1

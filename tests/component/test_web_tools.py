@@ -1,5 +1,5 @@
-"""The ``web`` environment's tools (``rollout.text.web``) against real HTTP servers on loopback:
-the local web corpus server (``rollout.text.web_corpus``) healthy, hanging, answering garbage
+"""The ``web`` environment's tools (``cua_rollout.text.web``) against real HTTP servers on loopback:
+the local web corpus server (``cua_rollout.text.web_corpus``) healthy, hanging, answering garbage
 and failing, and small stand-ins of the serper.dev and Brave Search APIs that check the
 request's shape (key header, body, query parameters) and answer in each API's documented
 shape. No HTTP is mocked."""
@@ -21,10 +21,10 @@ import pytest
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse, Response, StreamingResponse
 
-from rollout.errors import ConfigError, ToolError
-from rollout.http import ThreadedServer
-from rollout.text.tools import Tool
-from rollout.text.web import (
+from cua_rollout.core.errors import ConfigError, ToolError
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.envs.tools import Tool
+from cua_rollout.text.web import (
     AddressPolicy,
     CorpusSearch,
     FetchTool,
@@ -34,7 +34,7 @@ from rollout.text.web import (
     make_client,
     make_search_backend,
 )
-from rollout.text.web_corpus import WebCorpus, WebCorpusServer
+from cua_rollout.text.web_corpus import WebCorpus, WebCorpusServer
 
 VOLCANO = """<!doctype html>
 <html><head><title>Mount Erebus</title>
@@ -612,7 +612,7 @@ def test_a_malformed_allow_hosts_entry_is_a_config_error(entry: str) -> None:
 
 
 def test_a_malformed_allow_hosts_entry_fails_the_config_naming_it() -> None:
-    from config import Config
+    from cua_rollout.config import Config
 
     with pytest.raises(ValueError, match=r"allow_hosts.*'bad host'"):
         Config.model_validate({"text": {"web": {"allow_hosts": ["ok.lab", "bad host"]}}})

@@ -1,10 +1,12 @@
 """Integration: plain pyautogui actions run in the desktop server's warm interpreter
-(``desktop/actions.py``, ``desktop/action_worker.py``) and do what a fresh ``python -c`` does.
+(``cua_rollout/desktop/actions.py``, ``cua_rollout/desktop/action_worker.py``) and do what a fresh
+``python -c`` does.
 
 The grammar cases (``plain_action``) need no display. The rest share one real desktop per
 module: Xvfb with openbox (no key or mouse bindings), ``tests/apps/probe_window.py`` (a Tk
 window logging every input event and its Text widget's content) and ``python -m
-desktop.server`` on a free loopback port; every case talks to the server over HTTP and checks
+cua_rollout.desktop.server`` on a free loopback port; every case talks to the server over HTTP and
+checks
 what reached the window, where the pointer is, and the server's ``/actions`` counters.
 """
 
@@ -31,12 +33,17 @@ import httpx
 import psutil
 import pytest
 
-from desktop.actions import PYTHON_NAMES, ActionExecutor, interpreter_names, plain_action
-from desktop.display import XvfbDisplay, terminate_process
-from desktop.processes import child_env
-from desktop.protocol import CommandRequest, execute_command
+from cua_rollout.agents.uitars import Action, to_pyautogui
+from cua_rollout.desktop.actions import (
+    PYTHON_NAMES,
+    ActionExecutor,
+    interpreter_names,
+    plain_action,
+)
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process
+from cua_rollout.desktop.processes import child_env
+from cua_rollout.desktop.protocol import CommandRequest, execute_command
 from tests.support import REPO_ROOT, TESTS_DIR, ProbeWindow, unavailable
-from ui_tars_utils import Action, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
 PROBE_APP = TESTS_DIR / "apps" / "probe_window.py"
@@ -293,12 +300,13 @@ def wait_until(probe: Callable[[], Any], what: str, timeout_s: float = WAIT_TIME
 @contextlib.contextmanager
 def serve(env: dict[str, str], workdir: Path, *extra: str) -> Iterator[
         tuple[subprocess.Popen[bytes], str, httpx.Client, Path]]:
-    """``python -m desktop.server`` on a free port; stopped by pid at the end."""
+    """``python -m cua_rollout.desktop.server`` on a free port; stopped by pid at the end."""
     port = _free_port()
     log_path = workdir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port),
+            [sys.executable, "-m", "cua_rollout.desktop.server",
+             "--host", "127.0.0.1", "--port", str(port),
              "--execute-timeout-s", str(EXECUTE_LIMIT_S), "--kill-grace-s", "2", *extra],
             cwd=REPO_ROOT, env=env, stdin=subprocess.DEVNULL, stdout=log, stderr=log,
         )  # fmt: skip

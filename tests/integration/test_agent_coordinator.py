@@ -16,12 +16,12 @@ import psutil
 import pytest
 import ray
 
-from config import Config, load_config
-from rollout.http import ThreadedServer
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from rollout.testing.fake_openai import FakeOpenAIServer
-from run import Actors, start_actors, stop_actors
-from task_loader import TaskLoader
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.cli.run import Actors, start_actors, stop_actors
+from cua_rollout.config import Config, load_config
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.runtime.loader import TaskLoader
+from tests.doubles.fake_openai import FakeOpenAIServer
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -262,8 +262,8 @@ def test_runners_the_cluster_cannot_schedule_are_a_clear_error_at_start(local_ra
     error; the coordinator refuses at start and names the keys to change."""
     import asyncio
 
-    from agent_coordinator import AgentCoordinator
-    from rollout.errors import ConfigError
+    from cua_rollout.core.errors import ConfigError
+    from cua_rollout.runtime.coordinator import AgentCoordinator
 
     cfg = _config(tmp, "http://127.0.0.1:9", ["calc-add"],
                   **{"coordinator.max_concurrent_episodes": 512,

@@ -28,9 +28,9 @@ from typing import Any
 
 import pytest
 
-from config import DesktopsConfig
-from rollout.envs import chrome
-from rollout.envs.setup_steps import run_setup_step
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs import chrome
+from cua_rollout.envs.setup_steps import run_setup_step
 from tests.support import unavailable
 
 pytestmark = pytest.mark.integration

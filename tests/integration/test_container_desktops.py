@@ -17,9 +17,11 @@ import uuid
 
 import pytest
 
-from config import DesktopsConfig
-from env_k8s import DesktopPool, RemoteDesktopEnv, check_desktop_env
-from rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.checker import check_desktop_env
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
+from cua_rollout.runtime.pool import DesktopPool
 from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -15,14 +15,16 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from config import load_config
-from env_k8s import DONE, DesktopPool, RemoteDesktopEnv
-from model_service_pool import ModelServicePool
-from rollout.http import ThreadedServer
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from rollout.testing.replay import GIVE_UP, NOTHING, play, run_concurrently, score
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.uitars import parse_response, to_pyautogui
+from cua_rollout.config import load_config
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.core.types import DONE
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.runtime.pool import DesktopPool
+from cua_rollout.runtime.replay import GIVE_UP, NOTHING, play, run_concurrently, score
 from tests.support import REPO_ROOT
-from ui_tars_utils import parse_response, to_pyautogui
 
 ROOT = REPO_ROOT
 SUITE = ROOT / "tasks" / "demo"

@@ -31,13 +31,13 @@ import httpx
 import psutil
 import pytest
 
-from config import DesktopsConfig
-from desktop.display import XvfbDisplay, terminate_process
-from desktop.processes import CHILD_ENV_ALLOW, ENV_ALLOW_VAR, allowed_env
-from rollout.envs.client import RemoteDesktopEnv
-from rollout.envs.local_session import MARKER, LocalDesktopSession
+from cua_rollout.agents.uitars import parse_response, to_pyautogui
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process
+from cua_rollout.desktop.processes import CHILD_ENV_ALLOW, ENV_ALLOW_VAR, allowed_env
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.local_session import MARKER, LocalDesktopSession
 from tests.support import REPO_ROOT, unavailable
-from ui_tars_utils import parse_response, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
 TOKEN_ENV = "CUA_TEST_DESKTOP_TOKEN"
@@ -263,7 +263,7 @@ def test_a_server_with_secrets_in_its_environment_gives_its_children_none(tmp: P
     with XvfbDisplay(640, 480) as display:
         env = display.env({**os.environ, **secret, "HOME": str(home)})
         port = _free_port()
-        argv = [sys.executable, "-m", "desktop.server", "--port", str(port)]
+        argv = [sys.executable, "-m", "cua_rollout.desktop.server", "--port", str(port)]
         with open(tmp / "server.log", "wb") as log:
             server = subprocess.Popen(
                 [*argv, "--token-env", TOKEN_ENV],

@@ -1,4 +1,5 @@
-"""Integration: the desktop server (``python -m desktop.server``) on a real Xvfb desktop.
+"""Integration: the desktop server (``python -m cua_rollout.desktop.server``) on a real Xvfb
+desktop.
 
 One desktop session per module, as a desktop runs it: Xvfb with openbox, its own HOME and
 runtime directory, a D-Bus session bus and the AT-SPI bus launcher. The server runs as a
@@ -36,9 +37,9 @@ import psutil
 import pytest
 from PIL import Image
 
-from desktop.display import XvfbDisplay, terminate_process
-from desktop.profile import provision
-from desktop.protocol import execute_command
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process
+from cua_rollout.desktop.profile import provision
+from cua_rollout.desktop.protocol import execute_command
 from tests.support import REPO_ROOT
 
 REPO = REPO_ROOT
@@ -247,10 +248,12 @@ class Server:
 
 @contextlib.contextmanager
 def serve(env: dict[str, str], workdir: Path, token: str | None, *extra: str) -> Iterator[Server]:
-    """``python -m desktop.server`` on a free port with ``env``; stopped (by pid) at the end."""
+    """``python -m cua_rollout.desktop.server`` on a free port with ``env``; stopped (by pid) at
+    the end."""
     port = _free_port()
     env = dict(env)
-    argv = [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port", str(port)]
+    argv = [sys.executable, "-m", "cua_rollout.desktop.server",
+            "--host", "127.0.0.1", "--port", str(port)]
     headers = {}
     if token is not None:
         env[TOKEN_ENV] = token

@@ -1,6 +1,6 @@
 """Desktops as Kubernetes pods, through the official client and real HTTP to a Kubernetes API
-test server (``rollout.testing.kube_api``) whose pods become real containers of the desktop
-image (``rollout.testing.kubelet``): the conformance checker on a pod desktop, readiness from
+test server (``tests.doubles.kube_api``) whose pods become real containers of the desktop
+image (``tests.doubles.kubelet``): the conformance checker on a pod desktop, readiness from
 the watch (no pod polled), each failure named or recovered from (quota, image pull,
 unschedulable, eviction and OOM kills, the API server away, an expired watch), the sweep of
 dead runs' pods (never a live run's), and the demo end to end with
@@ -26,18 +26,23 @@ from typing import Any
 
 import pytest
 
-from config import DesktopsConfig
-from env_k8s import KubernetesProvider, RemoteDesktopEnv, check_desktop_env
-from rollout.envs.providers.container import run_label
-from rollout.envs.providers.kubernetes import HEARTBEAT_ANNOTATION, PROCESS_ANNOTATION
-from rollout.errors import DesktopError
-from rollout.testing.kube_api import (
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import DesktopError
+from cua_rollout.envs.checker import check_desktop_env
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.providers.container import run_label
+from cua_rollout.envs.providers.kubernetes import (
+    HEARTBEAT_ANNOTATION,
+    PROCESS_ANNOTATION,
+    KubernetesProvider,
+)
+from tests.doubles.kube_api import (
     KubeAPIServer,
     evicted_status,
     oom_killed_status,
     unschedulable_status,
 )
-from rollout.testing.kubelet import ContainerKubelet
+from tests.doubles.kubelet import ContainerKubelet
 from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image, until
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -12,7 +12,7 @@ import shutil
 
 import pytest
 
-from rollout.envs import chrome
+from cua_rollout.envs import chrome
 from tests.support import release_and_check, side_by_side, unavailable
 
 pytestmark = pytest.mark.integration

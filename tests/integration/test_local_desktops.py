@@ -18,17 +18,15 @@ import httpx
 import psutil
 import pytest
 
-from config import DesktopsConfig, StaticDesktopsConfig
-from desktop.protocol import Paths
-from env_k8s import (
-    DesktopPool,
-    LocalProvider,
-    RemoteDesktopEnv,
-    StaticProvider,
-    check_desktop_env,
-)
-from rollout.envs.local_session import MARKER, SESSION_FILE, sweep_stale_sessions
-from rollout.errors import DesktopError
+from cua_rollout.config import DesktopsConfig, StaticDesktopsConfig
+from cua_rollout.core.errors import DesktopError
+from cua_rollout.desktop.protocol import Paths
+from cua_rollout.envs.checker import check_desktop_env
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.local_session import MARKER, SESSION_FILE, sweep_stale_sessions
+from cua_rollout.envs.providers.local import LocalProvider
+from cua_rollout.envs.providers.static import StaticProvider
+from cua_rollout.runtime.pool import DesktopPool
 from tests import support
 from tests.support import REPO_ROOT
 

@@ -15,11 +15,11 @@ import time
 import psutil
 import pytest
 
-from config import load_config
-from rollout.envs.contract import DesktopAddress
-from rollout.errors import ConfigError, EvaluationError, UnsupportedEvaluator
-from rollout.evaluation.osworld_bridge import OSWorldBridge, catalog_of, default_python
-from rollout.evaluation.preflight import TaskChecker
+from cua_rollout.config import load_config
+from cua_rollout.core.errors import ConfigError, EvaluationError, UnsupportedEvaluator
+from cua_rollout.envs.contract import DesktopAddress
+from cua_rollout.evaluation.osworld_bridge import OSWorldBridge, catalog_of, default_python
+from cua_rollout.evaluation.preflight import TaskChecker
 from tests.support import REPO_ROOT, unavailable
 
 pytestmark = pytest.mark.integration

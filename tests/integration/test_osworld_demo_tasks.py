@@ -17,17 +17,17 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from config import load_config
-from env_k8s import DesktopPool
-from model_service_pool import ModelServicePool
-from rollout.envs.setup_steps import step_problem
-from rollout.evaluation import Evaluator, route_problem
-from rollout.evaluation.preflight import TaskChecker
-from rollout.http import ThreadedServer
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from rollout.testing.replay import NOTHING, play, run_concurrently, with_upload_root
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.uitars import parse_response
+from cua_rollout.config import load_config
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.envs.setup_steps import step_problem
+from cua_rollout.evaluation import Evaluator, route_problem
+from cua_rollout.evaluation.preflight import TaskChecker
+from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.runtime.pool import DesktopPool
+from cua_rollout.runtime.replay import NOTHING, play, run_concurrently, with_upload_root
 from tests.support import REPO_ROOT, unavailable
-from ui_tars_utils import parse_response
 
 SUITE = REPO_ROOT / "tasks" / "osworld_demo"
 CONFIG = REPO_ROOT / "configs" / "osworld_demo.yaml"

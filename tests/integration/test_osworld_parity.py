@@ -20,15 +20,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from config import DesktopsConfig
-from env_k8s import LocalProvider, RemoteDesktopEnv
-from rollout.envs.contract import DesktopAddress
-from rollout.errors import UnsupportedEvaluator
-from rollout.evaluation import Evaluator, route_problem
-from rollout.evaluation.getters import GETTERS, EvalContext
-from rollout.evaluation.metrics import METRICS
-from rollout.evaluation.osworld_bridge import OSWorldBridge, default_python
-from rollout.http import ThreadedServer
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import UnsupportedEvaluator
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.contract import DesktopAddress
+from cua_rollout.envs.providers.local import LocalProvider
+from cua_rollout.evaluation import Evaluator, route_problem
+from cua_rollout.evaluation.getters import GETTERS, EvalContext
+from cua_rollout.evaluation.metrics import METRICS
+from cua_rollout.evaluation.osworld_bridge import OSWorldBridge, default_python
 from tests.support import unavailable
 
 pytestmark = pytest.mark.integration
@@ -213,7 +214,7 @@ def test_cloud_file_reads_the_shared_cache_as_osworld_downloads(loop, bridge, de
     with ThreadedServer(app) as server:
         url = f"{server.url}/files/gold.csv"
         cfg = {"type": "cloud_file", "path": url, "dest": "gold.csv"}
-        from rollout.envs.downloads import DownloadCache
+        from cua_rollout.envs.downloads import DownloadCache
 
         evaluator = Evaluator(tmp_path / "cache", "auto", None,
                               DownloadCache(tmp_path / "cache", offline=False, timeout_s=30))

@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from desktop.display import XvfbDisplay, terminate_process
-from desktop.protocol import execute_command
+from cua_rollout.agents.uitars import Action, parse_response, screen_to_model, to_pyautogui
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process
+from cua_rollout.desktop.protocol import execute_command
 from tests.support import TESTS_DIR, ProbeWindow, unavailable
-from ui_tars_utils import Action, parse_response, screen_to_model, to_pyautogui
 
 SCREEN_W, SCREEN_H = 1280, 800
 PROBE_APP = TESTS_DIR / "apps" / "probe_window.py"

@@ -1,5 +1,5 @@
 """The rollout_* metrics through a real Ray: an actor updates every metric of
-rollout/monitoring.py, and the node's metrics agent (its Prometheus endpoint, the one
+cua_rollout/runtime/monitoring.py, and the node's metrics agent (its Prometheus endpoint, the one
 Prometheus scrapes) must then export every series the Grafana dashboard queries, under the
 names ``exported_names`` gives, with the run's label."""
 
@@ -16,7 +16,7 @@ from collections.abc import Iterator
 import pytest
 import ray
 
-from rollout.monitoring import METRICS, Metrics, exported_names
+from cua_rollout.runtime.monitoring import METRICS, Metrics, exported_names
 from tests.support import REPO_ROOT
 from tests.unit.test_grafana_dashboard import DASHBOARD, FULL_SAMPLE, METRIC_NAME
 

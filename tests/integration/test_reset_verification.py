@@ -14,9 +14,12 @@ from pathlib import Path
 
 import pytest
 
-from config import DesktopsConfig
-from env_k8s import DesktopPool, LocalProvider, RemoteDesktopEnv, StaticProvider
-from rollout.envs.verify import DesktopVerifier
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.providers.local import LocalProvider
+from cua_rollout.envs.providers.static import StaticProvider
+from cua_rollout.envs.verify import DesktopVerifier
+from cua_rollout.runtime.pool import DesktopPool
 from tests.support import unavailable
 
 pytestmark = pytest.mark.integration

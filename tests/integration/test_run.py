@@ -18,8 +18,8 @@ from typing import Any
 import psutil
 import pytest
 
-from rollout.files import DirectoryLock
-from rollout.layout import RUN_LOCK_FILE
+from cua_rollout.core.files import DirectoryLock
+from cua_rollout.core.layout import RUN_LOCK_FILE
 from tests.support import REPO_ROOT, run_py_command
 
 ROOT = REPO_ROOT

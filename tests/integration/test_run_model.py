@@ -25,28 +25,28 @@ import httpx
 import psutil
 import pytest
 
-from config import ModelConfig, ModelPoolConfig, SamplingConfig
-from model_service_pool import Generation, ModelServicePool
-from rollout.errors import ConfigError, ModelRequestError, ModelUnavailable
-from rollout.fleet.checkpoints import (
+from cua_rollout.config import ModelConfig, ModelPoolConfig, SamplingConfig
+from cua_rollout.core.errors import ConfigError, ModelRequestError, ModelUnavailable
+from cua_rollout.model.fleet.checkpoints import (
     checkpoint_version,
     newest_checkpoint,
     resolve_checkpoint,
     same_architecture,
 )
-from rollout.fleet.control import ENDPOINTS_PATH, ControlClient, ControlServer
-from rollout.fleet.devices import assign_devices, parse_nvidia_smi_list
-from rollout.fleet.processes import (
+from cua_rollout.model.fleet.control import ENDPOINTS_PATH, ControlClient, ControlServer
+from cua_rollout.model.fleet.devices import assign_devices, parse_nvidia_smi_list
+from cua_rollout.model.fleet.processes import (
     API_SERVER_MODULE,
     group_members,
     replica_process,
     sweep_stale_replicas,
     terminate_tree,
 )
-from rollout.fleet.replica_api import parse_vllm_load
-from rollout.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
-from rollout.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
-from rollout.server_metrics import ServerMetricsScraper
+from cua_rollout.model.fleet.replica_api import parse_vllm_load
+from cua_rollout.model.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
+from cua_rollout.model.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
+from cua_rollout.model.server_metrics import ServerMetricsScraper
+from cua_rollout.model.service_pool import Generation, ModelServicePool
 from tests.support import REPO_ROOT, unavailable
 
 ROOT = REPO_ROOT
@@ -391,7 +391,7 @@ def models(tmp_path_factory) -> Models:
     watch_dir = root / "watch"
     watch_dir.mkdir()
     first, second, watched = watch_dir / "step-1", root / "second", root / "staged" / "step-2"
-    subprocess.run([sys.executable, "-m", "rollout.testing.tiny_models", "text", str(first),
+    subprocess.run([sys.executable, "-m", "cua_rollout.cli.tiny_models", "text", str(first),
                     str(second), str(watched)],
                    cwd=ROOT, check=True, capture_output=True, timeout=300)
     return Models(first, second, watched, watch_dir)
@@ -546,7 +546,7 @@ async def test_image_to_the_text_only_model_is_a_request_error(pool: Pool):
 
 @pytest.mark.integration
 async def test_server_metrics_scraper_reads_the_replicas_real_counters(pool: Pool):
-    """rollout/server_metrics.py on vLLM's own /metrics (no key needed: vLLM guards /v1
+    """cua_rollout/model/server_metrics.py on vLLM's own /metrics (no key needed: vLLM guards /v1
     only): rates from its real counters between two scrapes, its KV-cache gauge."""
     urls = [e["url"] for e in pool.endpoints()]
     scraper = ServerMetricsScraper([urls[0] + "/v1", *urls[1:]], timeout_s=30.0)

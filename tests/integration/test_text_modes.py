@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 
-from rollout.testing.fake_openai import FakeOpenAIServer
+from tests.doubles.fake_openai import FakeOpenAIServer
 from tests.support import REPO_ROOT, run_py_command
 
 TEXT_DEMO = REPO_ROOT / "configs" / "text_demo.yaml"
@@ -107,7 +107,7 @@ def test_the_text_demo_runs_all_four_modes_and_resumes(tmp):
 
     # The trainer's hand-off: groups per item, step rows with the turns' tool calls.
     out = tmp / "steps.parquet"
-    exported = subprocess.run([sys.executable, "-m", "rollout.training", "--run-dir",
+    exported = subprocess.run([sys.executable, "-m", "cua_rollout.training", "--run-dir",
                                str(run_dir), "export", "--per", "step", str(out)],
                               cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert exported.returncode == 0, exported.stderr

@@ -1,5 +1,5 @@
 """OpenAI tool calls from a real vLLM server (CPU build) serving a tiny random Qwen2 text model
-built at test time (``rollout.testing.tiny_models``), spoken to over the raw protocol (httpx2):
+built at test time (``cua_rollout.cli.tiny_models``), spoken to over the raw protocol (httpx2):
 what the tool-calling agent of the text environments relies on.
 
 A random model writes garbage, so its calls are forced valid: the server runs vLLM's hermes
@@ -44,10 +44,10 @@ from typing import Any
 import httpx2
 import pytest
 
-from config import ModelPoolConfig
-from rollout.fleet.launch import replica_command, replica_env
-from rollout.fleet.processes import exit_status, log_tail, spawn, stop_group
-from rollout.testing.tiny_models import build_tiny_model
+from cua_rollout.cli.tiny_models import build_tiny_model
+from cua_rollout.config import ModelPoolConfig
+from cua_rollout.model.fleet.launch import replica_command, replica_env
+from cua_rollout.model.fleet.processes import exit_status, log_tail, spawn, stop_group
 from tests.support import unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -327,7 +327,7 @@ class _EchoTool:
     """A tool whose string argument is held to a pattern (so the random model's calls parse)."""
 
     def __init__(self) -> None:
-        from rollout.text.tools import ToolSpec
+        from cua_rollout.envs.tools import ToolSpec
 
         self.spec = ToolSpec("echo", "Echo a few lowercase words back.", {
             "type": "object",
@@ -336,7 +336,7 @@ class _EchoTool:
         self.calls: list[dict[str, Any]] = []
 
     async def __call__(self, arguments: Any) -> str:
-        from rollout.text.tools import check_arguments
+        from cua_rollout.envs.tools import check_arguments
 
         args = check_arguments(self.spec, arguments)
         self.calls.append(args)
@@ -351,12 +351,12 @@ async def test_the_tool_calling_agent_runs_a_text_episode_on_real_vllm(tool_vllm
     forces a schema-valid call each turn (structured outputs), the calls run in the
     environment and their results go back as ``tool`` messages the template renders, and each
     turn's line keeps the reply's tool calls, token ids and logprobs."""
-    from config import load_config
-    from rollout.text.benchmark import text_task
-    from rollout.text.envs import ToolEnv
-    from rollout.types import EpisodeSpec
-    from storage_actor import StorageActor
-    from trajectory_runner import TrajectoryRunner
+    from cua_rollout.config import load_config
+    from cua_rollout.core.types import EpisodeSpec
+    from cua_rollout.runtime.runner import TrajectoryRunner
+    from cua_rollout.runtime.storage import StorageActor
+    from cua_rollout.text.benchmark import text_task
+    from cua_rollout.text.envs import ToolEnv
 
     cfg = load_config(None, [
         f"run.output_dir={tmp_path}", "run.name=vllm-text",

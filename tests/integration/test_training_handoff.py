@@ -19,10 +19,10 @@ from typing import Any
 
 import pytest
 
-from rollout.fleet.state import write_state
-from rollout.http import ThreadedServer
-from rollout.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from rollout.training import TrainingIndex, default_url, export
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.model.fleet.state import write_state
+from cua_rollout.training import TrainingIndex, default_url, export
 from tests.support import REPO_ROOT, run_results
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.training import TrainingIndex
+from cua_rollout.training import TrainingIndex
 from tests.support import unavailable
 
 pytestmark = pytest.mark.integration

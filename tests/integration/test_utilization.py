@@ -18,7 +18,7 @@ import yaml
 
 from benchmarks.bench_rollout import sim_sets
 from benchmarks.sim_world import DesktopSim, EpisodeLengths, Latency, ModelSim, SimWorld
-from config import load_config
+from cua_rollout.config import load_config
 from tests.support import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]

@@ -33,24 +33,19 @@ import pytest
 import yaml
 from fastapi import FastAPI, Request, Response
 
-from config import Config, load_config
-from model_service_pool import ModelServicePool
-from rollout.errors import ActionParseError, ContextTooShort
-from rollout.fleet.child import PoolChild
-from rollout.fleet.launch import RequestShape
-from rollout.http import ThreadedServer
-from rollout.screenshot import Screenshot
-from rollout.testing.tiny_models import build_tiny_vlm
-from rollout.training import TrainingIndex, default_url, export
-from rollout.types import SCORED_STATUSES, Status
+from cua_rollout.agents.uitars import action_regex, parse_response
+from cua_rollout.cli.tiny_models import build_tiny_vlm
+from cua_rollout.config import Config, load_config
+from cua_rollout.core.errors import ActionParseError, ContextTooShort
+from cua_rollout.core.http import ThreadedServer
+from cua_rollout.core.screenshot import Screenshot
+from cua_rollout.core.types import SCORED_STATUSES, Status
+from cua_rollout.core.vision import IMAGE_WRAPPER_TOKENS, image_tokens, smart_resize
+from cua_rollout.model.fleet.child import PoolChild
+from cua_rollout.model.fleet.launch import RequestShape
+from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.training import TrainingIndex, default_url, export
 from tests.support import REPO_ROOT, require_vlm_serving
-from ui_tars_utils import (
-    IMAGE_WRAPPER_TOKENS,
-    action_regex,
-    image_tokens,
-    parse_response,
-    smart_resize,
-)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 

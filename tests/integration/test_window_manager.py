@@ -1,6 +1,6 @@
 """Integration: the desktops' window manager set-up on a real Xvfb + openbox with the
 desktops' own configuration (``desktop/openbox-rc.xml``) and the desktop server's
-click-to-focus watcher (``desktop/click_focus.py``).
+click-to-focus watcher (``cua_rollout/desktop/click_focus.py``).
 
 - A press on a window other than the active one activates it, and reaches it unchanged,
   without openbox grabbing the client area (its synchronous grab lost double-clicks' second
@@ -30,8 +30,8 @@ from typing import Any
 import httpx
 import pytest
 
-from desktop.display import XvfbDisplay, terminate_process
-from desktop.entry import OPENBOX_RC
+from cua_rollout.desktop.display import XvfbDisplay, terminate_process
+from cua_rollout.desktop.entry import OPENBOX_RC
 from tests.support import REPO_ROOT, unavailable
 
 pytestmark = [pytest.mark.integration]
@@ -138,7 +138,7 @@ def server(screen: Screen, *flags: str) -> Iterator[httpx.Client]:
     log_path = screen.workdir / f"server-{port}.log"
     with open(log_path, "wb") as log:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "desktop.server", "--host", "127.0.0.1", "--port",
+            [sys.executable, "-m", "cua_rollout.desktop.server", "--host", "127.0.0.1", "--port",
              str(port), *flags],
             cwd=REPO_ROOT, env=screen.env, stdin=subprocess.DEVNULL, stdout=log, stderr=log)
     client = httpx.Client(base_url=f"http://127.0.0.1:{port}", timeout=WAIT_S)

@@ -13,13 +13,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import ui_tars_utils
-from ui_tars_utils import (
+import cua_rollout.agents.uitars.grammar as grammar
+from cua_rollout.agents.uitars import (
     ACTION_REGEX_CONTENT_CHARS,
     ACTION_REGEX_THOUGHT_CHARS,
-    IMAGE_WRAPPER_TOKENS,
-    MAX_PIXELS,
-    MIN_PIXELS,
     RELATIVE_SCALE,
     SCROLL_DIRECTIONS,
     Action,
@@ -27,18 +24,23 @@ from ui_tars_utils import (
     action_regex_max_chars,
     format_action,
     format_response,
-    image_tokens,
     model_to_screen,
     normalize_key,
     parse_response,
     screen_to_model,
+)
+from cua_rollout.agents.uitars.parser import NAMED_KEYS
+from cua_rollout.core.vision import (
+    IMAGE_WRAPPER_TOKENS,
+    MAX_PIXELS,
+    MIN_PIXELS,
+    image_tokens,
     smart_resize,
 )
 
 # The module's private helpers, reached as attributes (the layout forbids importing them).
-_int_range_regex = ui_tars_utils._int_range_regex
-_max_frame_side = ui_tars_utils._max_frame_side
-_NAMED_KEYS = ui_tars_utils._NAMED_KEYS
+_int_range_regex = grammar._int_range_regex
+_max_frame_side = grammar._max_frame_side
 
 SETTINGS = settings(
     max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow]
@@ -58,7 +60,7 @@ CASE_IDS = [f"{w}x{h}-{f}-{'-'.join(map(str, p.values())) or 'default'}"
             for w, h, f, p in CASES]
 GRAMMAR_KINDS = {"click", "left_double", "right_single", "drag", "hotkey", "type", "scroll",
                  "wait", "finished", "call_user"}
-REGEX_KEYS = sorted(_NAMED_KEYS) + list(string.ascii_lowercase + string.digits)
+REGEX_KEYS = sorted(NAMED_KEYS) + list(string.ascii_lowercase + string.digits)
 THOUGHT_CHARS = string.ascii_letters + string.digits + " ,.'-"
 # What content may hold before escaping: printable ASCII and newlines (quotes, backslashes).
 CONTENT_CHARS = "".join(chr(c) for c in range(32, 127)) + "\n"

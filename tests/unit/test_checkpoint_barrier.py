@@ -1,4 +1,4 @@
-"""The checkpoint barrier's question (rollout.fleet.watch.newest_not_served) on the states
+"""The checkpoint barrier's question (cua_rollout.model.fleet.watch.newest_not_served) on the states
 run_model.py publishes: serving its newest checkpoint, or why not."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rollout.fleet.watch import newest_not_served
+from cua_rollout.model.fleet.watch import newest_not_served
 
 
 def _state(version: str = "ck-1", *, reload: dict | None = None, watch_dir: Path | None = None,

@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import yaml
 
-import config as config_module
-from config import Config, load_config, secret_from_env
-from rollout.errors import ConfigError
+import cua_rollout.config as config_module
+from cua_rollout.config import Config, load_config, secret_from_env
+from cua_rollout.core.errors import ConfigError
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -430,7 +430,7 @@ def test_a_lease_must_outlive_everything_its_episode_does(tmp_path):
 def test_the_run_makes_paths_absolute_and_adds_the_task_folders_to_the_task_roots(tmp_path):
     """Review M5: upload_file may read the task set's own files (the folder of tasks.source,
     tasks.examples_dir) and the download cache, nothing else; run.py says which they are."""
-    import run
+    import cua_rollout.cli.run as run
 
     (tmp_path / "osworld" / "examples").mkdir(parents=True)
     source = tmp_path / "osworld" / "test_all.json"

@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from config import DesktopsConfig
-from rollout.envs.providers import container
-from rollout.envs.providers.container import run_label
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.providers import container
+from cua_rollout.envs.providers.container import run_label
 
 
 def test_a_run_label_names_this_process_and_tells_a_gone_run():

@@ -28,13 +28,13 @@ import yaml
 from kubernetes.client import ApiClient
 from pydantic import BaseModel
 
-from config import Config, load_config
-from rollout.fleet.launch import RequestShape
-from rollout.fleet.processes import API_SERVER_MODULE
+from cua_rollout.config import Config, load_config
+from cua_rollout.model.fleet.launch import RequestShape
+from cua_rollout.model.fleet.processes import API_SERVER_MODULE
 from tests.support import REPO_ROOT
 
 DEPLOY = REPO_ROOT / "deploy" / "kubernetes"
-CONTAINERFILE = REPO_ROOT / "desktop" / "image" / "Containerfile"
+CONTAINERFILE = REPO_ROOT / "deploy" / "desktop-image" / "Containerfile"
 NAMESPACE = "cua-rollout"
 PART_OF = "app.kubernetes.io/part-of"
 COMPONENT = "app.kubernetes.io/component"

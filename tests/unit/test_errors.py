@@ -1,8 +1,8 @@
-"""rollout.errors.one_line: what a stop line or status line shows of any error."""
+"""cua_rollout.core.errors.one_line: what a stop line or status line shows of any error."""
 
 from __future__ import annotations
 
-from rollout.errors import StorageError, one_line
+from cua_rollout.core.errors import StorageError, one_line
 
 
 class _Wrapper(Exception):

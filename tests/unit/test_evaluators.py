@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from rollout.errors import UnsupportedEvaluator
-from rollout.evaluation import evaluate
-from rollout.testing.fake_desktop import FakeDesktop
+from cua_rollout.core.errors import UnsupportedEvaluator
+from cua_rollout.evaluation import evaluate
+from tests.doubles.fake_desktop import FakeDesktop
 
 
 class ScoredDesktop(FakeDesktop):

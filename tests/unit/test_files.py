@@ -1,4 +1,5 @@
-"""rollout.files: the directory lock (one owner per run or fleet directory, released when its
+"""cua_rollout.core.files: the directory lock (one owner per run or fleet directory, released when
+its
 holder dies), atomic writes and the JSONL reader every reader shares."""
 
 from __future__ import annotations
@@ -11,7 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from rollout.files import DirectoryLock, LockHeld, iter_jsonl, repair_jsonl_tail, write_atomic
+from cua_rollout.core.files import (
+    DirectoryLock,
+    LockHeld,
+    iter_jsonl,
+    repair_jsonl_tail,
+    write_atomic,
+)
 
 
 def test_a_held_lock_names_its_holder_and_frees_on_release(tmp_path: Path):
@@ -28,7 +35,7 @@ def test_a_lock_whose_holder_died_is_free(tmp_path: Path):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys, time
-            from rollout.files import DirectoryLock
+            from cua_rollout.core.files import DirectoryLock
             DirectoryLock({str(tmp_path)!r}).acquire()
             print("held", flush=True)
             time.sleep(60)
@@ -63,7 +70,7 @@ def test_jsonl_lines_and_a_cut_tail(tmp_path: Path):
 
 
 def test_credentials_in_urls_are_redacted_wherever_they_appear():
-    from rollout.http import redact_url, redact_urls
+    from cua_rollout.core.http import redact_url, redact_urls
 
     assert redact_url("http://u:p@host:8000/v1") == "http://***@host:8000/v1"
     assert redact_url("see https://token@h/x and http://h/y") == "see https://***@h/x and http://h/y"

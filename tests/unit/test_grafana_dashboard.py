@@ -1,4 +1,5 @@
-"""deploy/grafana/rollout-dashboard.json against rollout/monitoring.py, without Grafana: the
+"""deploy/grafana/rollout-dashboard.json against cua_rollout/runtime/monitoring.py, without
+Grafana: the
 JSON's structure (ids, positions, variables), every query's syntax at the level of brackets,
 every metric it names is one Ray exports for a declared metric, every declared metric is
 shown, every query is filtered by the run. And the metrics outside Ray: ``Metrics`` is a
@@ -15,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from rollout.monitoring import (
+from cua_rollout.runtime.monitoring import (
     DESKTOP_STATES,
     METRICS,
     PREFIX,

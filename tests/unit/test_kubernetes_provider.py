@@ -8,8 +8,9 @@ import json
 import pytest
 import yaml
 
-from config import DesktopsConfig
-from rollout.envs.providers.kubernetes import (
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.envs.providers.kubernetes import (
     HEARTBEAT_ANNOTATION,
     PROCESS_ANNOTATION,
     KubernetesProvider,
@@ -17,7 +18,6 @@ from rollout.envs.providers.kubernetes import (
     pod_problem,
     pod_ready,
 )
-from rollout.errors import ConfigError
 
 TEMPLATE = {
     "apiVersion": "v1", "kind": "Pod",
@@ -78,7 +78,8 @@ def test_the_pod_is_the_template_with_what_the_config_sets(tmp_path):
     assert env["EXTRA"]["value"] == "1" and env["SCREEN_WIDTH"]["value"] == "1280"
     assert env["CUA_DESKTOP_TOKEN"]["valueFrom"] == {
         "secretKeyRef": {"name": "desk-token", "key": "token"}}
-    assert box["readinessProbe"]["exec"]["command"][-2:] == ["-m", "desktop.healthcheck"]
+    assert box["readinessProbe"]["exec"]["command"][-2:] == [
+        "-m", "cua_rollout.desktop.healthcheck"]
     assert TEMPLATE["spec"]["containers"][1]["image"] == "reg/desk:1"  # template not changed
     # The manifest is a valid V1Pod for the official client.
     from kubernetes.client import ApiClient

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from rollout.envs.local_session import office_pipe
+from cua_rollout.envs.local_session import office_pipe
 
 
 def test_libreoffices_socket_name_is_derived_as_libreoffice_derives_it():

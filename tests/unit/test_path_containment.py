@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 
-from config import DesktopsConfig
-from rollout.envs.setup_steps import confined_path
-from rollout.errors import BadTaskStep, TaskSetupError, UnsupportedEvaluator
-from rollout.evaluation import evaluate
-from rollout.testing.fake_desktop import FakeDesktop
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import BadTaskStep, TaskSetupError, UnsupportedEvaluator
+from cua_rollout.envs.setup_steps import confined_path
+from cua_rollout.evaluation import evaluate
+from tests.doubles.fake_desktop import FakeDesktop
 
 
 @pytest.fixture

@@ -10,9 +10,9 @@ import zlib
 import pytest
 from PIL import Image
 
-from prompts import SYSTEM_PROMPT, Turn, build_messages, build_prompt
-from rollout.screenshot import Screenshot, png_size
-from ui_tars_utils import parse_response
+from cua_rollout.agents.uitars import parse_response
+from cua_rollout.agents.uitars.prompt import SYSTEM_PROMPT, Turn, build_messages, build_prompt
+from cua_rollout.core.screenshot import Screenshot, png_size
 
 
 def make_png(width: int, height: int, shade: int) -> bytes:

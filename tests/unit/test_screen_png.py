@@ -1,4 +1,4 @@
-"""The desktop server's PNG encoder (``desktop.screen.encode_png``): lossless, valid PNG
+"""The desktop server's PNG encoder (``cua_rollout.desktop.screen.encode_png``): lossless, valid PNG
 (chunk CRCs, zlib stream) that Pillow and zlib read back pixel for pixel, from X's BGRA."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ import zlib
 import pytest
 from PIL import Image
 
-from desktop.screen import encode_png
-from rollout.screenshot import png_size
+from cua_rollout.core.screenshot import png_size
+from cua_rollout.desktop.screen import encode_png
 
 
 def _bgra(width: int, height: int, seed: int) -> tuple[bytes, bytes]:

@@ -1,4 +1,4 @@
-"""rollout/server_metrics.py: vLLM's /metrics text (0.32's names and layout, older names),
+"""cua_rollout/model/server_metrics.py: vLLM's /metrics text (0.32's names and layout, older names),
 rates between two scrapes, and the scraper against real HTTP servers on loopback (up,
 hanging, failing, answering something else, gone)."""
 
@@ -15,8 +15,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout.fleet.replica_api import parse_vllm_load
-from rollout.server_metrics import (
+from cua_rollout.model.fleet.replica_api import parse_vllm_load
+from cua_rollout.model.server_metrics import (
     EndpointUtilization,
     ServerMetricsScraper,
     VLLMSample,

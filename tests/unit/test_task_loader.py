@@ -16,9 +16,9 @@ from typing import Any
 
 import pytest
 
-from config import DynamicRolloutsConfig, TasksConfig
-from rollout.errors import ConfigError
-from task_loader import EpisodeSpec, TaskLoader, dynamic_rollout_n, validate_task
+from cua_rollout.config import DynamicRolloutsConfig, TasksConfig
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.runtime.loader import EpisodeSpec, TaskLoader, dynamic_rollout_n, validate_task
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -648,7 +648,7 @@ def test_a_resumed_run_finds_its_groups_again(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_barrier_holds_new_groups_only(tmp_path: Path) -> None:
-    from config import CheckpointBarrierConfig
+    from cua_rollout.config import CheckpointBarrierConfig
 
     reason: list[str | None] = ["reload 3 to ckpt-2 under way"]
     _results(tmp_path, [json.dumps({"domain": "calculator", "task_id": "calc-add",
@@ -668,7 +668,7 @@ def test_the_checkpoint_barrier_holds_new_groups_only(tmp_path: Path) -> None:
 
 
 def test_the_checkpoint_barrier_gives_way_after_its_timeout(tmp_path: Path) -> None:
-    from config import CheckpointBarrierConfig
+    from cua_rollout.config import CheckpointBarrierConfig
 
     loader = TaskLoader(TasksConfig(source=TASK_LIST, task_ids=["calc-add"],
                                     checkpoint_barrier=CheckpointBarrierConfig(

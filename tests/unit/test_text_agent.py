@@ -1,4 +1,4 @@
-"""The text agent's pure functions (``rollout.text.agent``): a model reply read into tool calls
+"""The text agent's pure functions (``cua_rollout.text.agent``): a model reply read into tool calls
 and a final answer, the messages of the OpenAI chat wire format, the tool-use counts."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from config import TEXT_MODES
-from rollout.envs.contract import StepResult, ToolCall
-from rollout.text.agent import (
+from cua_rollout.config import TEXT_MODES
+from cua_rollout.envs.contract import StepResult, ToolCall
+from cua_rollout.text.agent import (
     ANSWER_TOOL,
     SYSTEM_PROMPTS,
     TOOL_FAILED,

@@ -1,5 +1,5 @@
 """Text benchmarks as tasks: one item checked and turned into a task
-(``rollout.text.benchmark``), and the task loader reading benchmark files (JSON lists and
+(``cua_rollout.text.benchmark``), and the task loader reading benchmark files (JSON lists and
 JSONL) next to or instead of desktop tasks, with the problems of bad items named by file,
 line and field, and a resumed run skipping finished episodes."""
 
@@ -13,10 +13,10 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from config import BenchmarkConfig, TasksConfig, load_config
-from rollout.errors import ConfigError
-from rollout.text.benchmark import ItemProblem, is_text_task, task_metric, text_task
-from task_loader import TaskLoader, load_benchmark
+from cua_rollout.config import BenchmarkConfig, TasksConfig, load_config
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.runtime.loader import TaskLoader, load_benchmark
+from cua_rollout.text.benchmark import ItemProblem, is_text_task, task_metric, text_task
 from tests.support import REPO_ROOT
 
 DEMO_TASK_LIST = REPO_ROOT / "tasks" / "demo" / "test_all.json"

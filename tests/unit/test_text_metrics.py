@@ -1,4 +1,4 @@
-"""The answer metrics of the text benchmarks (rollout/text/metrics.py, docs/text_metrics.md):
+"""The answer metrics of the text benchmarks (cua_rollout/text/metrics.py, docs/text_metrics.md):
 hand-computed scores for every metric in both variants (``original``: OpenDCAI/AgentFlow's
 definitions, quirks kept; ``normalized``: ours), the edge cases the doc's table promises, the
 judge's prompt and verdicts with a fake judge, the benchmark mean, and the metric per item."""
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rollout.text.metrics import (
+from cua_rollout.text.metrics import (
     LOCAL_METRICS,
     METRICS,
     VARIANTS,

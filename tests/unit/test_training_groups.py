@@ -1,4 +1,4 @@
-"""group_record (rollout/training/groups.py) on groups whose figures are worked out by hand:
+"""group_record (cua_rollout/training/groups.py) on groups whose figures are worked out by hand:
 rewards, masking of infra failures, GRPO advantages, no-signal groups and model versions."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from rollout.training.groups import ADVANTAGE_EPS, fill_defaults, group_record
+from cua_rollout.training.groups import ADVANTAGE_EPS, fill_defaults, group_record
 
 
 def ep(rollout, status="success", reward=1.0, *, started_at=None, version="v1", **extra):

@@ -5,9 +5,9 @@ in the integration tests."""
 
 from __future__ import annotations
 
-from config import load_config
-from env_k8s import DONE, FAIL, WAIT
-from rollout.errors import (
+from cua_rollout.agents.uitars import parse_response
+from cua_rollout.config import load_config
+from cua_rollout.core.errors import (
     ConfigError,
     DesktopError,
     DesktopUnavailable,
@@ -18,10 +18,9 @@ from rollout.errors import (
     UnsupportedEvaluator,
     UnsupportedSetupStep,
 )
-from rollout.types import STATUSES, EpisodeSpec, infra_result
+from cua_rollout.core.types import DONE, FAIL, STATUSES, WAIT, EpisodeSpec, infra_result
+from cua_rollout.runtime.runner import Decider, episode_error
 from tests.support import REPO_ROOT
-from trajectory_runner import Decider, episode_error
-from ui_tars_utils import parse_response
 
 ROOT = REPO_ROOT
 TASK = {"id": "t1", "instruction": "do it", "evaluator": {"func": "infeasible"}}

@@ -10,16 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from desktop.protocol import execute_command
-from rollout.errors import ActionParseError
-from tests.support import TESTS_DIR
-from ui_tars_utils import (
+from cua_rollout.agents.uitars import (
     ACTION_KINDS,
-    DONE,
-    FAIL,
-    MAX_PIXELS,
-    MIN_PIXELS,
-    WAIT,
     Action,
     add_box_token,
     format_action,
@@ -28,10 +20,14 @@ from ui_tars_utils import (
     normalize_key,
     parse_response,
     screen_to_model,
-    smart_resize,
     split_terminal,
     to_pyautogui,
 )
+from cua_rollout.core.errors import ActionParseError
+from cua_rollout.core.types import DONE, FAIL, WAIT
+from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS, smart_resize
+from cua_rollout.desktop.protocol import execute_command
+from tests.support import TESTS_DIR
 
 CORPUS_PATH = TESTS_DIR / "data" / "uitars_corpus.jsonl"
 CORPUS = [json.loads(line) for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines()]

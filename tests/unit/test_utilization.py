@@ -1,11 +1,11 @@
 """The utilization clocks and the tracker that turns their totals into the interval's split
-(rollout/utilization.py), on hand-computed cases with a clock the test moves."""
+(cua_rollout/runtime/utilization.py), on hand-computed cases with a clock the test moves."""
 
 from __future__ import annotations
 
 import pytest
 
-from rollout.utilization import DESKTOP_STATES, StateClock, UtilizationTracker
+from cua_rollout.runtime.utilization import DESKTOP_STATES, StateClock, UtilizationTracker
 
 
 class Clock:
@@ -101,7 +101,7 @@ def test_no_desktops_and_no_steps_give_empty_figures_not_errors():
 
 
 def test_fleet_summary_from_the_supervisors_state_file(tmp_path):
-    from rollout.fleet.state import fleet_summary, write_state
+    from cua_rollout.model.fleet.state import fleet_summary, write_state
 
     assert fleet_summary(tmp_path) is None  # no supervisor (yet)
     write_state(tmp_path, {"model_version": "v3", "endpoints": [
@@ -113,7 +113,7 @@ def test_fleet_summary_from_the_supervisors_state_file(tmp_path):
 
 
 def test_the_status_line_shows_the_utilization(capsys):
-    from rollout.progress import Progress
+    from cua_rollout.runtime.progress import Progress
 
     stats = {"success_rate": 0.5, "steps_per_s": 4.0, "desktops": {"leased": 2, "free": 1},
              "utilization": {"desktop": {"leased": 0.7, "acting": 0.2, "model_wait": 0.4,
@@ -129,7 +129,7 @@ def test_the_status_line_shows_the_utilization(capsys):
 
 
 def test_a_run_without_desktops_shows_its_mean_turn(capsys):
-    from rollout.progress import Progress
+    from cua_rollout.runtime.progress import Progress
 
     stats = {"success_rate": 1.0, "steps_per_s": 15.0,
              "utilization": {"window_s": 5.0, "desktops": 0.0, "desktop": None,

@@ -13,9 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from config import Config, ModelPoolConfig, load_config
-from rollout.errors import ConfigError
-from rollout.fleet.launch import (
+from cua_rollout.agents.uitars.grammar import check_max_tokens
+from cua_rollout.config import Config, ModelPoolConfig, load_config
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS
+from cua_rollout.model.fleet.launch import (
     PROMPT_TOKENS_BUDGET,
     VLM_CPU_HOOK_DIR,
     RequestShape,
@@ -24,7 +26,6 @@ from rollout.fleet.launch import (
     replica_env,
 )
 from tests.support import REPO_ROOT
-from ui_tars_utils import MAX_PIXELS, MIN_PIXELS
 
 
 def _checkpoint(path: Path, *, vision: bool, positions: int = 32768) -> str:
@@ -127,9 +128,11 @@ def test_the_request_shape_is_the_runs():
 
 
 def test_config_rules_of_the_vlm_settings():
-    with pytest.raises(ValueError, match=r"max_tokens .* must be at least"):
-        Config.model_validate({"model": {"constrain_actions": True,
-                                         "sampling": {"max_tokens": 20}}})
+    # Checked at a run's start (the grammar is the agent's, not the schema's).
+    with pytest.raises(ConfigError, match=r"max_tokens \(20\) must be at least"):
+        check_max_tokens(Config.model_validate(
+            {"model": {"constrain_actions": True, "sampling": {"max_tokens": 20}}}
+        ).model.sampling.max_tokens)
     with pytest.raises(ValueError, match=r"start_with_run needs model_pool\.checkpoint"):
         Config.model_validate({"model_pool": {"start_with_run": True}})
     with pytest.raises(ValueError, match=r"excludes model\.scripted"):
@@ -166,7 +169,7 @@ def test_replicas_reachable_from_other_hosts_need_a_key():
 
 
 def test_replica_temp_dirs_stay_short_enough_for_vllm_sockets(tmp_path):
-    from rollout.fleet.launch import replica_tmp_root
+    from cua_rollout.model.fleet.launch import replica_tmp_root
 
     assert replica_tmp_root(Path("/srv/pool")) == Path("/srv/pool/tmp")
     deep = tmp_path / ("d" * 60) / "pool"

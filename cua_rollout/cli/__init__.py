@@ -1,0 +1,3 @@
+"""The command line: ``cua-rollout`` and its subcommands (``main.py``), each a module here."""
+
+__all__: list[str] = []

@@ -1,0 +1,195 @@
+"""The desktops of a run, for an operator: list them and act on one, on a live run, without
+stopping it; or, with no run alive, list and sweep what a provider left behind.
+
+    python scripts/desktops.py status --config C [--json]      # every desktop of the run
+    python scripts/desktops.py release DESKTOP --config C      # take back a stuck lease
+    python scripts/desktops.py quarantine DESKTOP --config C   # out of service (replaced)
+    python scripts/desktops.py remove DESKTOP --config C       # stop it; another takes its place
+    python scripts/desktops.py sweep --config C                # remove desktops of dead runs
+
+A live run is found by its pool's Ray actor (``desktops:<run.name>`` in ``ray.namespace``,
+on the cluster at ``ray.address`` or the one the run's run.json names). Without one,
+``status`` lists what the provider shows (containers by label, pods by label with their
+heartbeat, local desktops by their state files). ``release`` quarantines the desktop rather
+than resetting it under its episode: the episode fails at its next call and is retried on
+another desktop (an infra_error).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+from cua_rollout.cli.common import add_config_arguments, config_from_args
+from cua_rollout.config import Config
+from cua_rollout.core.errors import ConfigError, DesktopError, RolloutError
+from cua_rollout.core.files import read_json
+from cua_rollout.core.layout import RUN_FILE
+from cua_rollout.runtime.pool import pool_actor_name
+
+__all__ = ["main"]
+
+_COLUMNS = ("id", "state", "owner", "lease_age_s", "leases", "failures", "url", "provider",
+            "last_error")
+
+
+def _live_pool(cfg: Config) -> Any | None:
+    """The run's pool actor, or None when no run of that name is alive."""
+    import ray
+
+    # The run's own cluster (run.json says where it is): "auto" could find another
+    # cluster of this host.
+    info = read_json(cfg.run_dir / RUN_FILE) or {}
+    if info and info.get("status") != "running":
+        return None  # that run ended (its cluster with it)
+    address = cfg.ray.address or info.get("ray_address") or "auto"
+    try:
+        ray.init(address=address, namespace=cfg.ray.namespace, logging_level="ERROR",
+                 log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError):
+        return None
+    name = pool_actor_name(cfg.run.name)
+    # run.py adds a suffix when the name was still held in the cluster.
+    names = sorted(n for n in ray.util.list_named_actors()  # this namespace's, as names
+                   if n == name or n.startswith(name + "#"))
+    for found in names:
+        try:
+            return ray.get_actor(found)
+        except ValueError:
+            continue
+    return None
+
+
+def _offline_rows(cfg: Config) -> list[dict[str, Any]]:
+    """What the provider shows without a live pool."""
+    provider = cfg.desktops.provider
+    if provider == "container":
+        import subprocess
+
+        from cua_rollout.envs.providers.container import ContainerProvider
+
+        engine = ContainerProvider(cfg.desktops).engine
+        out = subprocess.run([engine, "ps", "-a", "--filter", "label=cua.desktop", "--format",
+                              "{{.ID}}\t{{.Label \"cua.desktop\"}}\t{{.Status}}\t"
+                              "{{.Label \"cua.run\"}}\t{{.Ports}}"],
+                             capture_output=True, text=True, check=True).stdout
+        rows = []
+        for line in out.splitlines():
+            cid, desktop, status, run, ports = (line.split("\t") + [""] * 5)[:5]
+            rows.append({"id": desktop, "state": status, "owner": run, "url": ports,
+                         "provider": {"container": cid}})
+        return rows
+    if provider == "kubernetes":
+        return asyncio.run(_with_kubernetes(cfg, "list_pods"))
+    if provider == "local":
+        rows = []
+        for session in sorted(Path(cfg.desktops.local.state_dir).glob("*/session.json")):
+            data = json.loads(session.read_text())
+            rows.append({"id": session.parent.name, "state": "running (no live pool)",
+                         "url": data.get("url"), "provider": {"pids": data.get("pids")}})
+        return rows
+    return [{"id": url, "state": "given by URL", "url": url}
+            for url in cfg.desktops.static.urls]
+
+
+def _table(rows: list[dict[str, Any]]) -> str:
+    if not rows:
+        return "no desktops"
+    cells = [[str(r.get(c) if r.get(c) is not None else "-") for c in _COLUMNS] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(_COLUMNS)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+              for row in cells]
+    return "\n".join(lines)
+
+
+async def _with_kubernetes(cfg: Config, act: str) -> Any:
+    """``list_pods`` or ``sweep`` of the Kubernetes provider, its client closed after."""
+    from cua_rollout.envs.providers.kubernetes import KubernetesProvider
+
+    provider = KubernetesProvider(cfg.desktops)
+    try:
+        return await getattr(provider, act)()
+    finally:
+        await provider.close()
+
+
+def _sweep(cfg: Config) -> list[str]:
+    if cfg.desktops.provider == "kubernetes":
+        return asyncio.run(_with_kubernetes(cfg, "sweep"))
+    if cfg.desktops.provider == "container":
+        from cua_rollout.envs.providers.container import ContainerProvider
+
+        return asyncio.run(ContainerProvider(cfg.desktops).sweep())
+    if cfg.desktops.provider == "local":
+        from cua_rollout.envs.local_session import sweep_stale_sessions
+
+        return sweep_stale_sessions(cfg.desktops.local.state_dir)
+    return []
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="scripts/desktops.py",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("command", choices=["status", "release", "quarantine", "remove",
+                                            "sweep"])
+    parser.add_argument("desktop", nargs="?", help="the desktop's id (release, quarantine, "
+                        "remove)")
+    parser.add_argument("--json", action="store_true", help="status: print JSON")
+    add_config_arguments(parser)
+    args = parser.parse_args(argv)
+    acts = args.command in ("release", "quarantine", "remove")
+    if acts != (args.desktop is not None):
+        parser.error(f"{args.command} " + ("needs a desktop id" if acts
+                                           else "takes no desktop id"))
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"config error: {exc}", file=sys.stderr)
+        return 2
+    if args.command == "sweep":
+        removed = _sweep(cfg)
+        print(f"removed {len(removed)} desktop(s) of runs that are gone"
+              + (": " + ", ".join(removed) if removed else ""))
+        return 0
+    # A cluster run.py started authenticates with this user's token (Ray's token mode); a
+    # driver that only connects uses it when told so before Ray is imported.
+    if "RAY_AUTH_MODE" not in os.environ and (Path.home() / ".ray" / "auth_token").is_file():
+        os.environ["RAY_AUTH_MODE"] = "token"
+    import ray
+
+    pool = _live_pool(cfg)
+    if args.command == "status":
+        rows = ray.get(pool.describe.remote()) if pool is not None else _offline_rows(cfg)
+        if args.json:
+            print(json.dumps({"live": pool is not None, "desktops": rows}, indent=1))
+        else:
+            print(f"run {cfg.run.name}: " + ("live" if pool is not None else
+                                             "no live run; what the provider shows"))
+            print(_table(rows))
+        return 0
+    if pool is None:
+        print(f"no live run named {cfg.run.name!r} in namespace {cfg.ray.namespace!r}",
+              file=sys.stderr)
+        return 1
+    method = {"release": pool.release_desktop, "quarantine": pool.quarantine,
+              "remove": pool.remove}[args.command]
+    try:
+        print(ray.get(method.remote(args.desktop)))
+    except ray.exceptions.RayTaskError as exc:
+        cause = exc.cause if isinstance(exc.cause, RolloutError) else exc
+        print(f"error: {cause}", file=sys.stderr)
+        return 1
+    except DesktopError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

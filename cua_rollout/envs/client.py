@@ -1,0 +1,417 @@
+"""The OSWorld desktop client: ``RemoteDesktopEnv`` speaks the in-desktop HTTP protocol
+(``cua_rollout/desktop/protocol.py``) with a deadline on every request and retries only where
+repeating
+is harmless (reads; an action only when the connection failed before it was sent). It meets
+``DesktopEnv`` and ``DesktopProbe``; task setup steps are interpreted by ``setup_steps.py``.
+
+One ``httpx2.AsyncClient`` per process and event loop serves every desktop (``shared_client``),
+or one per lease (``lease_client``), which keeps each request's pool work constant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import httpx2
+
+from cua_rollout.config import DesktopsConfig, secret_from_env
+from cua_rollout.core.aio import backoff_s
+from cua_rollout.core.errors import DesktopError
+from cua_rollout.core.http import error_text, redact_url, ssl_context
+from cua_rollout.core.screenshot import Screenshot
+from cua_rollout.core.types import SPECIAL_ACTIONS, WAIT
+from cua_rollout.desktop.protocol import (
+    FILE_DATA_FIELD,
+    FILE_PATH_FIELD,
+    CommandRequest,
+    OpenFileRequest,
+    Paths,
+    RunPythonRequest,
+    WindowRequest,
+    execute_command,
+)
+from cua_rollout.envs import setup_steps
+from cua_rollout.envs.contract import DesktopAddress, StepResult
+
+__all__ = ["RemoteDesktopEnv", "close_shared_client", "lease_client", "shared_client"]
+
+log = logging.getLogger(__name__)
+
+# Connecting to a desktop is fast or not at all (a desktop is on the same network).
+_CONNECT_TIMEOUT_S = 5.0
+# Default deadline of a client's requests when a call gives none (calls always give one).
+_CLIENT_TIMEOUT_S = 30.0
+# Backoff between retries of one request: full jitter, capped.
+_RETRY_BACKOFF_INITIAL_S = 0.2
+_RETRY_BACKOFF_MAX_S = 2.0
+# A health check answers fast or the desktop is not healthy.
+_HEALTH_TIMEOUT_S = 5.0
+# Longest error text quoted from a desktop's reply.
+_ERROR_TEXT_CHARS = 300
+# Of a command request's deadline, the part left to the desktop server for killing a command
+# that overran and answering: it is told to end the command this much earlier.
+_COMMAND_KILL_MARGIN_S = 2.0
+
+
+# --------------------------------------------------------------------------- shared client
+
+_CLIENTS: dict[int, tuple[asyncio.AbstractEventLoop, httpx2.AsyncClient]] = {}
+
+
+def shared_client(max_connections: int) -> httpx2.AsyncClient:
+    """The process's client for desktops on the running loop (created on first use)."""
+    loop = asyncio.get_running_loop()
+    entry = _CLIENTS.get(id(loop))
+    if entry is None or entry[0] is not loop or entry[1].is_closed:
+        client = httpx2.AsyncClient(
+            limits=httpx2.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            timeout=httpx2.Timeout(_CLIENT_TIMEOUT_S),
+            verify=ssl_context(),
+        )
+        _CLIENTS[id(loop)] = (loop, client)
+        return client
+    return entry[1]
+
+
+def lease_client(cfg: DesktopsConfig) -> httpx2.AsyncClient:
+    """A client for the one desktop an episode leased; the episode closes it when it gives
+    the desktop back. The episode's requests follow one another, so its pool keeps a single
+    connection, and httpx2's work on each request (it probes every idle connection of the
+    pool) stays constant. In the process's shared pool that work grows with every
+    connection kept alive there, up to ``max_connections``."""
+    return httpx2.AsyncClient(
+        limits=httpx2.Limits(max_connections=cfg.max_connections,
+                             max_keepalive_connections=1),  # requests are sequential
+        timeout=httpx2.Timeout(_CLIENT_TIMEOUT_S),
+        verify=ssl_context(),
+    )
+
+
+async def close_shared_client() -> None:
+    """Close this loop's shared client (at actor or test shutdown)."""
+    entry = _CLIENTS.pop(id(asyncio.get_running_loop()), None)
+    if entry is not None:
+        await entry[1].aclose()
+
+
+# --------------------------------------------------------------------------- the client
+
+
+class RemoteDesktopEnv:
+    """One desktop reached over OSWorld's in-desktop HTTP protocol.
+
+    ``reset(task)`` runs the task's setup steps and returns the first screenshot,
+    ``step(action)`` runs pyautogui code (or handles ``WAIT``/``DONE``/``FAIL``) and waits
+    ``pause_s``, ``observe()`` returns the screenshot. Scoring reads the desktop through the
+    ``DesktopProbe`` methods (``get_file``, ``execute`` ...), see ``cua_rollout.evaluation``.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        cfg: DesktopsConfig,
+        *,
+        name: str | None = None,
+        client: httpx2.AsyncClient | None = None,
+        python: str = "python",
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.cfg = cfg
+        self.name = name or redact_url(self.base_url)  # errors and logs show the name
+        self._client = client
+        self._owns_client = False
+        self._python = python
+        token = secret_from_env(cfg.token_env, "desktops.token_env")
+        self._headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._password = (
+            secret_from_env(cfg.client_password_env, "desktops.client_password_env")
+            if cfg.client_password_env
+            else None
+        )
+        self.task_id: str | None = None
+        self._chromium_port: int | None = None
+        self._vlc_port: int | None = None
+        self._ports_known = False
+
+    @classmethod
+    def for_lease(cls, base_url: str, cfg: DesktopsConfig, *, name: str | None = None
+                  ) -> RemoteDesktopEnv:
+        """A client for one leased desktop with a connection pool of its own
+        (``lease_client``), closed by ``close()`` when the episode gives the desktop back."""
+        env = cls(base_url, cfg, name=name, client=lease_client(cfg))
+        env._owns_client = True
+        return env
+
+    # ----------------------------------------------------------------- environment API
+
+    async def reset(self, task: Mapping[str, Any]) -> Screenshot:
+        """Run ``task["config"]`` (OSWorld setup steps) and return the first observation."""
+        self.task_id = str(task.get("id", "")) or None
+        await self.learn_ports()
+        for index, step in enumerate(task.get("config") or []):
+            await self.run_setup_step(step, index)
+        return await self.observe()
+
+    async def step(self, action: str, pause_s: float = 0.0) -> StepResult:
+        """Execute pyautogui code, or ``WAIT`` (just pause) / ``DONE`` / ``FAIL`` (nothing)."""
+        started = time.monotonic()
+        if action in SPECIAL_ACTIONS:
+            if action == WAIT:
+                await asyncio.sleep(pause_s)
+            return StepResult(action, duration_s=time.monotonic() - started)
+        timeout_s = self.cfg.request_timeout_s
+        body = _command(execute_command(action, self._python), False, timeout_s)
+        reply = await self._json("POST", Paths.EXECUTE, json=body, idempotent=False,
+                                 timeout_s=timeout_s)
+        result = StepResult(
+            action,
+            returncode=reply.get("returncode"),
+            output=str(reply.get("output") or ""),
+            error=str(reply.get("error") or reply.get("message") or ""),
+        )
+        if pause_s:
+            await asyncio.sleep(pause_s)
+        result.duration_s = time.monotonic() - started
+        return result
+
+    async def observe(self) -> Screenshot:
+        """The current screen as PNG bytes (size read from the header, nothing decoded)."""
+        response = await self._request("GET", Paths.SCREENSHOT, idempotent=True)
+        try:
+            shot = Screenshot(response.content)
+            shot.size  # noqa: B018 — validates the PNG header now, not in the runner
+        except ValueError as exc:
+            raise DesktopError(f"{self.name}: {Paths.SCREENSHOT} did not return a PNG") from exc
+        return shot
+
+    async def close(self) -> None:
+        """Close the connection pool this object made (``for_lease``); a shared or a
+        caller's client is left open. The desktop itself belongs to the pool."""
+        if self._owns_client and self._client is not None:
+            client, self._client = self._client, None
+            await client.aclose()
+
+    # ----------------------------------------------------------------- probe and protocol
+
+    async def execute(
+        self, command: list[str] | str, *, shell: bool = False, timeout_s: float | None = None
+    ) -> dict[str, Any]:
+        """``/execute``: ``{status, output, error, returncode}``."""
+        timeout_s = timeout_s or self.cfg.request_timeout_s
+        return await self._json("POST", Paths.EXECUTE, json=_command(command, shell, timeout_s),
+                                idempotent=False, timeout_s=timeout_s)
+
+    async def run_python(self, code: str) -> dict[str, Any]:
+        return await self._json("POST", Paths.RUN_PYTHON,
+                                json=RunPythonRequest(code=code).body(), idempotent=False)
+
+    async def get_file(self, path: str) -> bytes | None:
+        """The bytes of a file on the desktop, or None if it does not exist."""
+        response = await self._request(
+            "POST", Paths.FILE, data={FILE_PATH_FIELD: path}, idempotent=True,
+            allow_status=(404,),
+        )
+        return None if response.status_code == 404 else response.content
+
+    async def upload(self, path: str, data: bytes) -> None:
+        await self._request(
+            "POST", Paths.SETUP_UPLOAD, data={FILE_PATH_FIELD: path},
+            files={FILE_DATA_FIELD: (os.path.basename(path) or "file", data)}, idempotent=True,
+            timeout_s=self.cfg.setup_timeout_s,
+        )
+
+    async def accessibility_tree(self) -> str:
+        reply = await self._json("GET", Paths.ACCESSIBILITY, idempotent=True)
+        return str(reply.get("AT") or "")
+
+    async def terminal_output(self) -> str:
+        reply = await self._json("GET", Paths.TERMINAL, idempotent=True)
+        return str(reply.get("output") or "")
+
+    async def cursor_position(self) -> tuple[int, int]:
+        """``/cursor_position``: the pointer's screen coordinates."""
+        response = await self._request("GET", Paths.CURSOR_POSITION, idempotent=True)
+        try:
+            x, y = response.json()
+            return int(x), int(y)
+        except (ValueError, TypeError) as exc:
+            raise DesktopError(f"{self.name}{Paths.CURSOR_POSITION}: unexpected reply "
+                               f"{response.text[:100]!r}") from exc
+
+    async def health(self) -> bool:
+        """True when the desktop answers ``/screen_size`` quickly."""
+        try:
+            await self._request("POST", Paths.SCREEN_SIZE, idempotent=True, retries=0,
+                                timeout_s=min(_HEALTH_TIMEOUT_S, self.cfg.request_timeout_s))
+        except DesktopError:
+            return False
+        return True
+
+    # ----------------------------------------------------------------- setup calls
+
+    async def run_setup_step(self, step: Mapping[str, Any], index: int = 0) -> None:
+        """One OSWorld setup step ``{"type": ..., "parameters": {...}}`` (``setup_steps.py``)."""
+        await setup_steps.run_setup_step(self, step, index)
+
+    async def launch(self, command: list[str] | str, shell: bool = False) -> None:
+        """``/setup/launch``: start an app and return at once."""
+        await self._request("POST", Paths.SETUP_LAUNCH,
+                            json=CommandRequest(command=command, shell=shell).body(),
+                            idempotent=False, timeout_s=self.cfg.setup_timeout_s)
+
+    async def setup_execute(self, command: list[str] | str, shell: bool = False
+                            ) -> dict[str, Any]:
+        """``/setup/execute``: run a command to its end; ``{status, output, error, returncode}``."""
+        timeout_s = self.cfg.setup_timeout_s
+        return await self._json("POST", Paths.SETUP_EXECUTE,
+                                json=_command(command, shell, timeout_s),
+                                idempotent=False, timeout_s=timeout_s)
+
+    async def open_file(self, path: str) -> None:
+        """``/setup/open_file``: open a file (or start a program) and wait for its window."""
+        await self._request("POST", Paths.SETUP_OPEN_FILE, json=OpenFileRequest(path=path).body(),
+                            idempotent=False, timeout_s=self.cfg.setup_timeout_s)
+
+    async def activate_window(self, window_name: str, strict: bool = False,
+                              by_class: bool = False) -> None:
+        await self._window(Paths.SETUP_ACTIVATE_WINDOW, window_name, strict, by_class)
+
+    async def close_window(self, window_name: str, strict: bool = False,
+                           by_class: bool = False) -> None:
+        await self._window(Paths.SETUP_CLOSE_WINDOW, window_name, strict, by_class)
+
+    async def _window(self, path: str, window_name: str, strict: bool, by_class: bool) -> None:
+        await self._request(
+            "POST", path,
+            json=WindowRequest(window_name=window_name, strict=strict,
+                               by_class=by_class).body(),
+            idempotent=True,
+        )
+
+    @property
+    def client_password(self) -> str | None:
+        """The desktop user's password (``{CLIENT_PASSWORD}`` in task files), if configured."""
+        return self._password
+
+    async def learn_ports(self) -> None:
+        """Ask the desktop where its own services listen (``/ports``: local desktops share a
+        host, so each has its DevTools and VLC ports); a desktop without the endpoint (an
+        OSWorld VM) uses the configured ports."""
+        if self._ports_known:
+            return
+        try:
+            reply = await self._json("GET", Paths.PORTS, idempotent=True, retries=0)
+            if isinstance(reply.get("chromium"), int):
+                self._chromium_port = reply["chromium"]
+            if isinstance(reply.get("vlc"), int):
+                self._vlc_port = reply["vlc"]
+        except DesktopError:
+            pass
+        self._ports_known = True
+
+    @property
+    def chromium_port(self) -> int:
+        return self._chromium_port or self.cfg.chromium_port
+
+    @property
+    def vlc_port(self) -> int:
+        return self._vlc_port or self.cfg.vlc_port
+
+    @property
+    def devtools_url(self) -> str:
+        """The desktop browser's DevTools endpoint on the desktop's host: the port it
+        reported (``learn_ports``, done by ``reset``), else ``desktops.chromium_port``."""
+        host = httpx2.URL(self.base_url).host
+        return f"http://{f'[{host}]' if ':' in host else host}:{self.chromium_port}"
+
+    def address(self) -> DesktopAddress:
+        """Where OSWorld's own evaluator code reaches this desktop (its server with the
+        token, Chromium's and VLC's ports on its host): see cua_rollout/evaluation/."""
+        return DesktopAddress(self.base_url, self._headers.get("Authorization", "")
+                              .removeprefix("Bearer ") or None,
+                              self.chromium_port, self.vlc_port)
+
+    # ----------------------------------------------------------------- transport
+
+    def _http(self) -> httpx2.AsyncClient:
+        return self._client or shared_client(self.cfg.max_connections)
+
+    async def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
+        response = await self._request(method, path, **kw)
+        try:
+            body = response.json()
+        except ValueError as exc:
+            raise DesktopError(f"{self.name}{path}: reply is not JSON: {response.text[:200]!r}"
+                               ) from exc
+        if not isinstance(body, dict):
+            raise DesktopError(f"{self.name}{path}: unexpected reply {body!r:.200}")
+        return body
+
+    async def _request(
+        self,
+        method: str,
+        path: str,
+        *,
+        idempotent: bool,
+        retries: int | None = None,
+        timeout_s: float | None = None,
+        allow_status: tuple[int, ...] = (),
+        **kw: Any,
+    ) -> httpx2.Response:
+        """One request with a deadline; transient failures retried with capped backoff.
+
+        Connection failures before sending are always retried; read errors, timeouts and
+        5xx only for idempotent requests (an action must not run twice).
+        """
+        attempts = 1 + (self.cfg.retries if retries is None else retries)
+        timeout = httpx2.Timeout(timeout_s or self.cfg.request_timeout_s,
+                                 connect=_CONNECT_TIMEOUT_S)
+        url = self.base_url + path
+        last: str = ""
+        for attempt in range(attempts):
+            if attempt:
+                await asyncio.sleep(
+                    backoff_s(attempt, _RETRY_BACKOFF_INITIAL_S, _RETRY_BACKOFF_MAX_S))
+            try:
+                response = await self._http().request(
+                    method, url, headers=self._headers, timeout=timeout, **kw
+                )
+            except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout) as exc:
+                last = f"cannot connect ({type(exc).__name__})"
+                continue
+            except httpx2.TimeoutException as exc:
+                last = f"timed out after {timeout.read}s ({type(exc).__name__})"
+                if idempotent:
+                    continue
+                raise DesktopError(f"{self.name}{path}: {last}") from exc
+            except httpx2.TransportError as exc:
+                last = f"{type(exc).__name__}: {exc}"
+                if idempotent:
+                    continue
+                raise DesktopError(f"{self.name}{path}: {last}") from exc
+            if response.status_code < 400 or response.status_code in allow_status:
+                return response
+            detail = error_text(response, _ERROR_TEXT_CHARS)
+            if response.status_code == 401:
+                raise DesktopError(f"{self.name}{path}: unauthorized (check desktops.token_env)")
+            if response.status_code >= 500 and idempotent:
+                last = f"HTTP {response.status_code}: {detail}"
+                continue
+            raise DesktopError(f"{self.name}{path}: HTTP {response.status_code}: {detail}")
+        raise DesktopError(f"{self.name}{path}: {last} after {attempts} attempt(s)")
+
+
+def _command(command: list[str] | str, shell: bool, timeout_s: float) -> dict[str, Any]:
+    """The body of a command the client waits ``timeout_s`` for: it carries that deadline,
+    less the server's margin, so that our desktop server ends the command (and says so)
+    before the client gives up on it, instead of letting it run on into the next episode
+    (OSWorld's own servers ignore it)."""
+    deadline = max(timeout_s - _COMMAND_KILL_MARGIN_S, timeout_s / 2)
+    return CommandRequest(command=command, shell=shell, timeout=deadline).body()

@@ -1,0 +1,31 @@
+"""Desktop providers, one file each, chosen by ``desktops.provider``. Adding one: a file with
+a ``DesktopProvider`` subclass and a line in ``PROVIDERS``; no other provider changes."""
+
+from __future__ import annotations
+
+import importlib
+
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.envs.providers.base import Desktop, DesktopProvider
+
+__all__ = ["PROVIDERS", "Desktop", "DesktopProvider", "make_provider"]
+
+# desktops.provider -> "module:class", imported only when chosen (a provider may pull in a
+# client library the others do not need).
+PROVIDERS: dict[str, str] = {
+    "local": "cua_rollout.envs.providers.local:LocalProvider",
+    "static": "cua_rollout.envs.providers.static:StaticProvider",
+    "container": "cua_rollout.envs.providers.container:ContainerProvider",
+    "kubernetes": "cua_rollout.envs.providers.kubernetes:KubernetesProvider",
+}
+
+
+def make_provider(cfg: DesktopsConfig) -> DesktopProvider:
+    """The provider ``cfg.provider`` names, built from the desktops config."""
+    target = PROVIDERS.get(cfg.provider)
+    if target is None:
+        raise ConfigError(f"desktops.provider {cfg.provider!r} is not available yet")
+    module, name = target.split(":")
+    cls: type[DesktopProvider] = getattr(importlib.import_module(module), name)
+    return cls(cfg)  # type: ignore[call-arg]

@@ -1,0 +1,515 @@
+"""The pool of M desktops lent to episodes: leases with deadlines and waiters, resets in
+the background (outside any lock) before a desktop is lent again, quarantine and replacement
+of broken desktops, reclaiming of expired leases. Where desktops come from is a provider's
+job (``cua_rollout.envs.providers``); the pool knows none of them by name."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.aio import TaskSet, backoff_s
+from cua_rollout.core.errors import DesktopError, DesktopUnavailable
+from cua_rollout.core.http import redact_url
+from cua_rollout.envs.client import close_shared_client
+from cua_rollout.envs.providers import make_provider
+from cua_rollout.envs.providers.base import Desktop, DesktopProvider
+from cua_rollout.envs.verify import DesktopVerifier
+from cua_rollout.runtime.utilization import StateClock
+
+__all__ = ["DesktopPool", "Lease", "pool_actor_name"]
+
+log = logging.getLogger(__name__)
+
+# The housekeeping loop runs at least this often (reclaiming leases, idle health checks).
+_HOUSEKEEPING_MAX_INTERVAL_S = 5.0
+# Idle desktops health-checked at once. Unbounded, a pool of thousands sent thousands of
+# checks in one burst every round; those that timed out behind the burst (healthy desktops)
+# were quarantined (1,255 of 4,352 simulated desktops, at 4,096 episodes).
+_HEALTH_CHECKS_AT_ONCE = 32
+# After a failed health check that follows a reset, pauses before asking again.
+_RECHECKS_AFTER_RESET_S = (0.5, 1.5)
+_REFILL_BACKOFF_INITIAL_S = 2.0   # after a failed start, the first delay before another
+_REFILL_BACKOFF_MAX_S = 120.0
+# Reset durations kept for the statistics (a bounded window: a week-long run must not grow).
+_RESET_WINDOW = 1000
+
+
+def pool_actor_name(run_name: str) -> str:
+    """The Ray actor name of a run's desktop pool (in the run's namespace): how
+    ``scripts/desktops.py`` finds a live run's desktops."""
+    return f"desktops:{run_name}"
+
+
+@dataclass(frozen=True)
+class Lease:
+    """A desktop lent to ``owner`` until ``deadline`` (``time.time()`` seconds)."""
+
+    lease_id: str
+    desktop_id: str
+    url: str
+    owner: str
+    deadline: float
+
+
+
+
+class DesktopPool:
+    """M desktops lent to episodes. Run it as an async Ray actor (``ray.remote(DesktopPool)``)
+    or in-process.
+
+    ``lease(owner, timeout_s)`` hands out a free desktop (never one that is resetting or
+    quarantined) or raises ``DesktopUnavailable``; ``release(lease_id, healthy)`` returns it
+    and resets it in the background, outside any lock, so other leases never wait for a reset.
+    A desktop that fails its reset or health check is quarantined, then replaced (local,
+    Kubernetes) or re-checked later (static). Leases past ``lease_max_s`` are reclaimed.
+    """
+
+    def __init__(self, cfg: DesktopsConfig, provider: DesktopProvider | None = None) -> None:
+        self.cfg = cfg
+        self.provider = provider or make_provider(cfg)
+        self._desktops: dict[str, Desktop] = {}
+        self.state_clock = StateClock()             # desktop-seconds per state
+        self._free: list[str] = []                 # desktop ids, oldest ready first
+        self._waiters: list[asyncio.Future[str]] = []
+        self._leases: dict[str, Lease] = {}
+        self._tasks = TaskSet()
+        self._housekeeper: asyncio.Task[Any] | None = None
+        self._next_index = 0
+        self._started = False
+        self._stopping = False
+        # Desktops missing from the target (a start or a replacement failed): started again
+        # by the housekeeping with backoff, so a refusal (quota, no room) is no crash loop.
+        self._refill: asyncio.Task[Any] | None = None
+        self._refill_failures = 0
+        self._refill_at = 0.0
+        self.last_start_error: str | None = None
+        self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
+                         "verify_failures": 0, "quarantined": 0, "replaced": 0,
+                         "reclaimed": 0, "lease_timeouts": 0}
+        # After every reset, before a desktop is lent again: is it back in its first state?
+        self.verifier = (DesktopVerifier(cfg)
+                         if cfg.verify.enabled and self.provider.verify_resets else None)
+        self.verify_durations_s: deque[float] = deque(maxlen=_RESET_WINDOW)
+        self.reset_durations_s: deque[float] = deque(maxlen=_RESET_WINDOW)
+        # Owners (prefixes) whose leases were given back for them: an episode cancelled or a
+        # runner declared dead. A lease call of theirs still in transit must not be granted.
+        self._revoked: dict[str, float] = {}
+
+    # ----------------------------------------------------------------- lifecycle
+
+    def target_size(self) -> int:
+        want = self.cfg.count + self.cfg.warm_spares
+        cap = self.provider.capacity()
+        return want if cap is None else min(want, cap)
+
+    async def start(self) -> dict[str, Any]:
+        """Start the desktops concurrently; returns ``stats()``. Fails if none comes up."""
+        if self._started:
+            return self.stats()
+        self._started = True
+        results = await asyncio.gather(
+            *(self._start_one() for _ in range(self.target_size())), return_exceptions=True
+        )
+        errors = [r for r in results if isinstance(r, BaseException)]
+        if errors and len(errors) == len(results):
+            raise DesktopError(f"no desktop could be started: {errors[0]}") from errors[0]
+        for err in errors:
+            self._start_failed(err, "a desktop's start")
+        self._housekeeper = self._spawn(self._housekeeping())
+        return self.stats()
+
+    async def stop(self) -> None:
+        """Stop every desktop this pool started and cancel its background work."""
+        self._stopping = True
+        if self._housekeeper is not None:
+            self._housekeeper.cancel()
+        # Resets and replacements run partly in threads that cancelling cannot stop: let them
+        # finish (bounded), or one could recreate a desktop's files after it was stopped.
+        busy = [t for t in self._tasks if t is not self._housekeeper]
+        if busy:
+            _, late = await asyncio.wait(busy, timeout=self.cfg.reset_timeout_s)
+            for task in late:
+                task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        for waiter in self._waiters:
+            if not waiter.done():
+                waiter.set_exception(DesktopUnavailable("the desktop pool is stopping"))
+        await asyncio.gather(
+            *(self._stop_quietly(d) for d in self._desktops.values()), return_exceptions=True
+        )
+        try:
+            await self.provider.close()
+        except Exception as exc:  # the desktops are stopped; what is left is logged
+            log.error("closing the %s provider failed: %s", self.cfg.provider, exc)
+        await close_shared_client()
+
+    # ----------------------------------------------------------------- leases
+
+    async def lease(
+        self, owner: str, timeout_s: float | None = None, avoid: Iterable[str] = ()
+    ) -> Lease:
+        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``.
+        Desktops in ``avoid`` (where an earlier attempt failed) are handed out only when no
+        other one is free."""
+        if self._stopping:
+            raise DesktopUnavailable("the desktop pool is stopping")
+        if self._is_revoked(owner):
+            raise DesktopUnavailable(f"{owner} was released before its lease arrived")
+        wait_s = self.cfg.lease_timeout_s if timeout_s is None else timeout_s
+        desktop_id = self._take_free(frozenset(avoid))
+        if desktop_id is None:
+            waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+            self._waiters.append(waiter)
+            try:
+                # shield: a timeout must not lose a desktop handed over at the same moment.
+                desktop_id = await asyncio.wait_for(asyncio.shield(waiter), wait_s)
+            except (TimeoutError, asyncio.CancelledError) as exc:
+                handed = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                waiter.cancel()
+                if isinstance(exc, asyncio.CancelledError):
+                    if handed is not None:
+                        self._make_free(handed)
+                    raise
+                if handed is None:
+                    self.counters["lease_timeouts"] += 1
+                    raise DesktopUnavailable(
+                        f"no desktop free for {owner} within {wait_s:.0f}s ({self._summary()})"
+                    ) from None
+                desktop_id = handed
+            finally:
+                if waiter in self._waiters:
+                    self._waiters.remove(waiter)
+        if self._is_revoked(owner):  # revoked while it waited: the desktop goes to the next one
+            self._make_free(desktop_id)
+            raise DesktopUnavailable(f"{owner} was released before its lease arrived")
+        desktop = self._desktops[desktop_id]
+        self._set_state(desktop, "leased")
+        desktop.leases += 1
+        lease = Lease(uuid.uuid4().hex, desktop.id, desktop.url, owner,
+                      time.time() + self.cfg.lease_max_s)
+        self._leases[lease.lease_id] = lease
+        self.counters["leases"] += 1
+        return lease
+
+    async def release(self, lease_id: str, healthy: bool = True) -> None:
+        """Give a desktop back; it is reset in the background before anyone else gets it."""
+        lease = self._leases.pop(lease_id, None)
+        if lease is None:
+            log.warning("release of unknown or reclaimed lease %s ignored", lease_id)
+            return
+        self.counters["releases"] += 1
+        desktop = self._desktops[lease.desktop_id]
+        if not healthy:
+            desktop.failures += 1
+        self._set_state(desktop, "resetting")
+        self._spawn(self._reset(desktop))
+
+    async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
+        """Release every lease whose owner starts with ``owner_prefix`` (the leases of a
+        runner that died, of an episode that stopped waiting for its lease); returns how
+        many. Until its own lease could still arrive, that owner is refused any new lease,
+        so a call in transit never lends a desktop to nobody."""
+        now = time.monotonic()
+        self._revoked = {p: t for p, t in self._revoked.items() if t > now}
+        self._revoked[owner_prefix] = now + 2 * self.cfg.lease_timeout_s + 60
+        ids = [i for i, lease in self._leases.items() if lease.owner.startswith(owner_prefix)]
+        for lease_id in ids:
+            await self.release(lease_id, healthy)
+        return len(ids)
+
+    def stats(self) -> dict[str, Any]:
+        by_state = {s: 0 for s in ("starting", "free", "leased", "resetting", "quarantined")}
+        for d in self._desktops.values():
+            if d.state in by_state:
+                by_state[d.state] += 1
+        resets = sorted(self.reset_durations_s)
+        return {
+            **by_state,
+            "state_s": {k: round(v, 3) for k, v in self.state_clock.totals().items()},
+            "waiting": len(self._waiters),
+            "missing": max(0, self.target_size() - len(self._desktops)),
+            "last_start_error": self.last_start_error,
+            **self.counters,
+            "reset_s_median": resets[len(resets) // 2] if resets else None,
+            "reset_s_max": resets[-1] if resets else None,
+            "verify_s_median": (sorted(self.verify_durations_s)[len(self.verify_durations_s)
+                                                                // 2]
+                                if self.verify_durations_s else None),
+            "desktops": [
+                {"id": d.id, "url": d.url, "state": d.state, "leases": d.leases,
+                 "failures": d.failures, "last_error": d.last_error}
+                for d in self._desktops.values()
+            ],
+        }
+
+    # ----------------------------------------------------------------- operators
+
+    def describe(self) -> list[dict[str, Any]]:
+        """Every desktop as an operator sees it (``scripts/desktops.py status``): state,
+        holder and age of its lease, counts, last error, and the provider's record of it."""
+        now = time.time()
+        held = {lease.desktop_id: lease for lease in self._leases.values()}
+        rows = []
+        for d in self._desktops.values():
+            lease = held.get(d.id)
+            rows.append({
+                "id": d.id, "url": redact_url(d.url), "state": d.state,
+                "owner": lease.owner if lease else None,
+                "lease_id": lease.lease_id if lease else None,
+                "lease_age_s": (round(now - (lease.deadline - self.cfg.lease_max_s), 1)
+                                if lease else None),
+                "leases": d.leases, "failures": d.failures, "last_error": d.last_error,
+                "provider": {k: v for k, v in d.info.items() if k != "last_reset"},
+            })
+        return rows
+
+    async def release_desktop(self, desktop_id: str) -> str:
+        """An operator takes back the lease on ``desktop_id`` (a stuck episode's): the
+        desktop is quarantined, not reset, so the episode still on it fails at its next call
+        (an infrastructure error, retried elsewhere) instead of going on with a desktop reset
+        under it; a new desktop replaces it where the provider can. What was done, in words."""
+        lease = next((x for x in self._leases.values() if x.desktop_id == desktop_id), None)
+        if lease is None:
+            raise DesktopError(f"{desktop_id} is not leased ({self._state_of(desktop_id)})")
+        del self._leases[lease.lease_id]
+        self.counters["releases"] += 1
+        desktop = self._desktops[desktop_id]
+        desktop.failures += 1
+        await self._quarantine(desktop, f"lease of {lease.owner} taken back by an operator")
+        return (f"took back {desktop_id} from {lease.owner}; the desktop is quarantined"
+                + ("; a new desktop replaces it" if self.provider.replaceable else ""))
+
+    async def quarantine(self, desktop_id: str, reason: str = "quarantined by an operator"
+                         ) -> str:
+        """Take a desktop that is not leased out of service (replaced where the provider
+        can). What was done, in words."""
+        desktop = self._desktops.get(desktop_id)
+        if desktop is None:
+            raise DesktopError(f"no desktop {desktop_id} in this pool")
+        if desktop.state == "leased":
+            raise DesktopError(f"{desktop_id} is leased: release it first")
+        if desktop.state in ("quarantined", "stopped"):
+            return f"{desktop_id} is already {desktop.state}"
+        if desktop_id in self._free:
+            self._free.remove(desktop_id)
+        await self._quarantine(desktop, reason)
+        return (f"quarantined {desktop_id}" + ("; a new desktop replaces it"
+                                               if self.provider.replaceable else ""))
+
+    async def remove(self, desktop_id: str) -> str:
+        """Stop a desktop that is not leased for good and start another in its place (a
+        provider that cannot start desktops only takes it out of service)."""
+        return await self.quarantine(desktop_id, "removed by an operator")
+
+    def _state_of(self, desktop_id: str) -> str:
+        desktop = self._desktops.get(desktop_id)
+        return desktop.state if desktop else "not in this pool"
+
+    # ----------------------------------------------------------------- internals
+
+    def _is_revoked(self, owner: str) -> bool:
+        if not self._revoked:
+            return False
+        now = time.monotonic()
+        return any(owner.startswith(p) and t > now for p, t in self._revoked.items())
+
+    def _summary(self) -> str:
+        s = self.stats()
+        return ", ".join(f"{k} {s[k]}" for k in ("free", "leased", "resetting", "quarantined",
+                                                  "starting"))
+
+    def _take_free(self, avoid: frozenset[str] = frozenset()) -> str | None:
+        self._free = [d for d in self._free if self._desktops[d].state == "free"]
+        if not self._free:
+            return None
+        preferred = next((d for d in self._free if d not in avoid), self._free[0])
+        self._free.remove(preferred)
+        return preferred
+
+    def _make_free(self, desktop_id: str) -> None:
+        desktop = self._desktops[desktop_id]
+        while self._waiters:
+            waiter = self._waiters.pop(0)
+            if not waiter.done():
+                self._set_state(desktop, "leased")  # reserved for this waiter
+                waiter.set_result(desktop_id)
+                return
+        self._set_state(desktop, "free")
+        self._free.append(desktop_id)
+
+    def _set_state(self, desktop: Desktop, state: str) -> None:
+        """Every state change goes through here: the state clock counts desktop-seconds
+        per state (a stopped desktop leaves it)."""
+        if desktop.id in self._desktops:
+            self.state_clock.move(None if desktop.state == "stopped" else desktop.state,
+                                  None if state == "stopped" else state)
+        desktop.state = state
+
+    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+        return self._tasks.spawn(coro)
+
+    async def _start_one(self) -> Desktop:
+        index = self._next_index
+        self._next_index += 1
+        desktop = await self.provider.start(index)
+        if self.verifier is not None:
+            try:  # fresh from the provider: the state every reset must return to
+                await asyncio.wait_for(self.verifier.remember(desktop.id, desktop.url),
+                                       self.cfg.verify.timeout_s)
+            except Exception as exc:
+                await self._stop_quietly(desktop)
+                raise DesktopError(f"{desktop.id}: cannot take the baseline its resets are "
+                                   f"checked against: {exc}") from exc
+        self._desktops[desktop.id] = desktop
+        self.state_clock.move(None, desktop.state)
+        self._make_free(desktop.id)
+        return desktop
+
+    async def _healthy_after_reset(self, desktop: Desktop) -> None:
+        """The provider's health check after a reset, asked again after short pauses
+        before the desktop is given up: under load (4,096 episodes on two cores) one check
+        timed out behind the others and quarantined hundreds of healthy desktops. The
+        reset's own deadline bounds the whole."""
+        checks = 1
+        healthy = await self.provider.health(desktop)
+        for pause_s in _RECHECKS_AFTER_RESET_S:
+            if healthy:
+                return
+            await asyncio.sleep(pause_s)
+            checks += 1
+            healthy = await self.provider.health(desktop)
+        if not healthy:
+            raise DesktopError(f"unhealthy after reset ({checks} checks)")
+
+    async def _reset(self, desktop: Desktop) -> None:
+        started = time.monotonic()
+        try:
+            async with asyncio.timeout(self.cfg.reset_timeout_s):  # the check included
+                await self.provider.reset(desktop)
+                await self._healthy_after_reset(desktop)
+                problems = await self._verify(desktop)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # any failure of a reset quarantines the desktop
+            if self._taken_out(desktop):
+                return
+            self.counters["reset_failures"] += 1
+            await self._quarantine(desktop, f"reset failed: {exc!r}")
+            return
+        if self._taken_out(desktop):
+            return
+        if problems:
+            self.counters["verify_failures"] += 1
+            await self._quarantine(desktop, "reset did not reach the initial state: "
+                                   + "; ".join(problems))
+            return
+        self.counters["resets"] += 1
+        self.reset_durations_s.append(time.monotonic() - started)
+        self._make_free(desktop.id)
+
+    def _taken_out(self, desktop: Desktop) -> bool:
+        """An operator quarantined ``desktop`` while it was being reset: it is being
+        replaced, and the reset's outcome no longer decides anything."""
+        return desktop.state != "resetting" or self._desktops.get(desktop.id) is not desktop
+
+    async def _verify(self, desktop: Desktop) -> list[str]:
+        if self.verifier is None:
+            return []
+        started = time.monotonic()
+        problems = await self.verifier.check(desktop.id, desktop.url)
+        self.verify_durations_s.append(time.monotonic() - started)
+        return problems
+
+    async def _quarantine(self, desktop: Desktop, reason: str) -> None:
+        log.warning("desktop %s quarantined: %s", desktop.id, reason)
+        self._set_state(desktop, "quarantined")
+        desktop.last_error = reason
+        desktop.quarantined_at = time.monotonic()
+        self.counters["quarantined"] += 1
+        if self.provider.replaceable and not self._stopping:
+            self._spawn(self._replace(desktop))
+
+    async def _replace(self, desktop: Desktop) -> None:
+        await self._stop_quietly(desktop)
+        del self._desktops[desktop.id]
+        if self.verifier is not None:
+            self.verifier.forget(desktop.id)
+        try:
+            await self._start_one()
+            self.counters["replaced"] += 1
+        except Exception as exc:  # one fewer until the housekeeping's refill succeeds
+            self._start_failed(exc, f"replacement of {desktop.id}")
+
+    def _start_failed(self, exc: BaseException, what: str) -> None:
+        """A desktop could not be started: the next try after a growing, jittered delay;
+        each distinct reason logged once."""
+        reason = str(exc)
+        self._refill_failures += 1
+        delay = backoff_s(self._refill_failures, _REFILL_BACKOFF_INITIAL_S,
+                          _REFILL_BACKOFF_MAX_S)
+        self._refill_at = time.monotonic() + delay
+        if reason != self.last_start_error:
+            log.error("%s failed: %s (next try in %.0f s)", what, reason, delay)
+        self.last_start_error = reason
+
+    async def _refill_one(self) -> None:
+        try:
+            await self._start_one()
+        except Exception as exc:
+            self._start_failed(exc, "starting a missing desktop")
+        else:
+            self._refill_failures = 0
+            self.last_start_error = None
+
+    async def _stop_quietly(self, desktop: Desktop) -> None:
+        try:
+            await self.provider.stop(desktop)
+        except Exception as exc:  # stopping is best effort; the reason is logged
+            log.error("stopping %s failed: %s", desktop.id, exc)
+        self._set_state(desktop, "stopped")
+
+    async def _health_of(self, desktops: list[Desktop]) -> list[bool]:
+        """The provider's health of each desktop, ``_HEALTH_CHECKS_AT_ONCE`` at a time."""
+        gate = asyncio.Semaphore(_HEALTH_CHECKS_AT_ONCE)
+
+        async def one(desktop: Desktop) -> bool:
+            async with gate:
+                return await self.provider.health(desktop)
+
+        return await asyncio.gather(*(one(d) for d in desktops))
+
+    async def _housekeeping(self) -> None:
+        """Reclaim expired leases, health-check idle desktops, retry quarantined static ones."""
+        while True:
+            await asyncio.sleep(min(self.cfg.health_interval_s, _HOUSEKEEPING_MAX_INTERVAL_S))
+            now = time.time()
+            for lease in [x for x in self._leases.values() if x.deadline < now]:
+                log.warning("lease %s of %s by %s expired; reclaiming", lease.lease_id,
+                            lease.desktop_id, lease.owner)
+                self.counters["reclaimed"] += 1
+                await self.release(lease.lease_id, healthy=False)
+            missing = self.target_size() - len(self._desktops)
+            if (missing > 0 and self.provider.replaceable and not self._stopping
+                    and (self._refill is None or self._refill.done())
+                    and time.monotonic() >= self._refill_at):
+                self._refill = self._spawn(self._refill_one())
+            idle = [d for d in self._desktops.values() if d.state == "free"]
+            healthy = await self._health_of(idle)
+            for desktop, ok in zip(idle, healthy, strict=True):
+                if not ok and desktop.state == "free":  # not leased while we were checking
+                    self._free.remove(desktop.id)
+                    await self._quarantine(desktop, "failed its health check while idle")
+            if not self.provider.replaceable:
+                retry_after = self.cfg.static.retry_quarantined_s
+                for desktop in [d for d in self._desktops.values() if d.state == "quarantined"]:
+                    if time.monotonic() - desktop.quarantined_at >= retry_after:
+                        self._set_state(desktop, "resetting")
+                        self._spawn(self._reset(desktop))

@@ -1,7 +1,0 @@
-"""The program that runs inside a desktop: its X session, window manager and HTTP server.
-
-Standalone: this package is what a desktop image carries, so it imports nothing of the
-controller; the controller imports ``desktop.protocol`` (and launches ``desktop.server``).
-"""
-
-__all__: list[str] = []
