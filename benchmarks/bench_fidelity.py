@@ -91,8 +91,8 @@ def action_kinds(cfg: Config, replies: list[str]) -> list[str]:
     width, height = cfg.desktops.screen_width, cfg.desktops.screen_height
     kinds = []
     for text in replies:
-        parsed = parse_response(text, width, height, cfg.model.family,
-                                min_pixels=cfg.model.min_pixels, max_pixels=cfg.model.max_pixels)
+        parsed = parse_response(text, width, height, cfg.agent.name,
+                                min_pixels=cfg.agent.min_pixels, max_pixels=cfg.agent.max_pixels)
         kinds += [a.kind for a in parsed.actions if a.kind not in TERMINAL_KINDS]
     return kinds
 

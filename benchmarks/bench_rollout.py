@@ -113,7 +113,7 @@ peer's settings as the original system was measured, one row per K in ``--peer-l
 per generation, never ``finished()``: every episode runs ``runner.max_steps`` 15 steps, each
 with an action). Then the REAL command, ``python run.py --config <generated YAML>`` from the
 repository root (its own local Ray cluster, no dashboard; ``runner.action_pause_s`` 2.0,
-``runner.history_images`` 5, ``runner.history_texts`` 35, ``tasks.rollouts_per_task`` 2,
+``agent.history_images`` 5, ``agent.history_texts`` 35, ``tasks.rollouts_per_task`` 2,
 ``coordinator.max_concurrent_episodes`` K, one runner per core, enough tasks to keep K
 episodes busy past the window). Counted for ``--peer-window-s`` (183) from the moment the
 command is started, start-up included; then run.py gets two SIGINT (its process group is
@@ -496,7 +496,7 @@ def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command:
         "coordinator.runner_num_cpus=0",
         f"runner.action_pause_s={action_pause_s}",
         f"runner.max_steps={max_steps}",
-        f"runner.history_images={history_images}",
+        f"agent.history_images={history_images}",
         # Each runner process opens at most this many connections to an endpoint (256 by
         # default): past 2 runners x 4 endpoints x 256 = 2,048 episodes, the rest would wait
         # for a connection, not for the model. Routing is not perfectly even: 1.5x.
@@ -1067,7 +1067,7 @@ def _peer_config(setup: PeerSetup, k: int, run_dir: Path, tasks: Path, world: Si
         max_steps=setup.max_steps, history_images=setup.history_images,
         action_pause_s=setup.pause_s)
     sets += [
-        f"runner.history_texts={setup.history_texts}",
+        f"agent.history_texts={setup.history_texts}",
         f"tasks.rollouts_per_task={setup.rollouts_per_task}",
         f"desktops.screen_width={setup.screen_width}",
         f"desktops.screen_height={setup.screen_height}",

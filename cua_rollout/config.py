@@ -22,8 +22,10 @@ from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS
 
 __all__ = [
     "LEASE_MARGIN_S",
+    "MOVED_KEYS",
     "TASK_MODES",
     "TEXT_MODES",
+    "AgentConfig",
     "BenchmarkConfig",
     "Config",
     "ContainerDesktopsConfig",
@@ -249,8 +251,6 @@ class ModelConfig(_Section):
 
     name: str = "ui-tars-1.5-7b"
     """Served model name sent as ``model`` in requests."""
-    family: Literal["uitars-1.5", "uitars-1.0"] = "uitars-1.5"
-    """Coordinate convention of the replies (1.5: pixels of the resized image; 1.0: 0..1000)."""
     endpoints: list[str] = []
     """Base URLs of OpenAI-compatible servers you already run (``http://host:8000``).
     Empty: the endpoints ``run_model.py`` publishes (``endpoints_url``, else its state file
@@ -304,20 +304,6 @@ class ModelConfig(_Section):
     """Consecutive failures after which an endpoint is taken out of routing."""
     reprobe_interval_s: PositiveFloat = 10.0
     """How often an ejected endpoint's ``/health`` is probed to bring it back."""
-    min_pixels: PositiveInt = MIN_PIXELS
-    """Lower pixel bound of the served model's image processor (smart_resize). With
-    ``uitars-1.5`` the model answers in pixels of the resized screenshot, so the parser must
-    resize as the server did: keep these equal to the processor's (``run_model.py`` passes
-    them to the vision-language replicas it launches)."""
-    max_pixels: PositiveInt = MAX_PIXELS
-    """Upper pixel bound of the served model's image processor (UI-TARS-1.5: 12845056)."""
-    constrain_actions: bool = False
-    """Constrained decoding: send vLLM a structured-output regex of every UI-TARS action form
-    (``ui_tars_utils.action_regex``), coordinates within the resized frame, so every reply
-    parses. For smoke tests and undertrained checkpoints. It changes the policy: tokens are
-    sampled from the masked, renormalised distribution and the logprobs returned are those
-    of that constrained process, not of the free model; each step records ``constrained``.
-    Needs ``sampling.max_tokens`` >= the grammar's longest reply."""
 
 
 class ModelPoolConfig(_Section):
@@ -393,8 +379,8 @@ class ModelPoolConfig(_Section):
     minutes)."""
     max_model_len: PositiveInt | None = None
     """vLLM ``--max-model-len`` (null: for a vision-language checkpoint, derived from the
-    run's settings — ``runner.history_images`` screenshots of the configured screen size,
-    ``runner.history_texts`` replies of ``model.sampling.max_tokens``, the prompt — so no
+    run's settings — ``agent.history_images`` screenshots of the configured screen size,
+    ``agent.history_texts`` replies of ``model.sampling.max_tokens``, the prompt — so no
     request is refused for length; for a text checkpoint, vLLM's default). An explicit
     ``--max-model-len`` in ``extra_args`` wins."""
     vlm_cpu_site: Path | None = None
@@ -732,19 +718,18 @@ class CoordinatorConfig(_Section):
         return self
 
 
-class RunnerConfig(_Section):
-    """One episode's loop."""
+class AgentConfig(_Section):
+    """The agent: what turns a screenshot and the history into a request, and a reply into
+    actions (cua_rollout/agents/). ``name`` picks a registered agent."""
 
-    max_steps: PositiveInt = 30
-    """Steps before the episode ends as ``max_steps``."""
+    name: Literal["uitars-1.5", "uitars-1.0"] = "uitars-1.5"
+    """The UI-TARS family, by its coordinates: ``uitars-1.5`` answers in pixels of the
+    resized screenshot, ``uitars-1.0`` in relative units 0..1000. (Text tasks are played by
+    the tool-calling agent of their mode: ``text.*``.)"""
     history_images: PositiveInt = 5
     """Screenshots in a request, the current one included (UI-TARS's ``history_n``)."""
     history_texts: PositiveInt = 35
     """Past responses kept in a request (older turns are dropped)."""
-    action_pause_s: NonNegFloat = 1.0
-    """Pause after an action before the next screenshot."""
-    wait_s: NonNegFloat = 5.0
-    """Sleep of a ``wait()`` action before observing again."""
     max_parse_retries: Annotated[int, Field(ge=0)] = 3
     """Re-asks of the model after an unparseable reply before the episode ends with FAIL."""
     call_user: Literal["fail", "wait"] = "fail"
@@ -757,6 +742,32 @@ class RunnerConfig(_Section):
     """Language the model is asked to think in."""
     prompt_note: str | None = None
     """Extra line in the prompt's Note section (e.g. where the sudo password comes from)."""
+    min_pixels: PositiveInt = MIN_PIXELS
+    """Lower pixel bound of the served model's image processor (smart_resize). With
+    ``uitars-1.5`` the model answers in pixels of the resized screenshot, so the parser must
+    resize as the server did: keep these equal to the processor's (``run_model.py`` passes
+    them to the vision-language replicas it launches)."""
+    max_pixels: PositiveInt = MAX_PIXELS
+    """Upper pixel bound of the served model's image processor (UI-TARS-1.5: 12845056)."""
+    constrain_actions: bool = False
+    """Constrained decoding: send vLLM a structured-output regex of every UI-TARS action form
+    (``cua_rollout.agents.uitars.grammar``), coordinates within the resized frame, so every
+    reply parses. For smoke tests and undertrained checkpoints. It changes the policy: tokens are
+    sampled from the masked, renormalised distribution and the logprobs returned are those
+    of that constrained process, not of the free model; each step records ``constrained``.
+    Needs ``model.sampling.max_tokens`` >= the grammar's longest reply (checked at the
+    run's start)."""
+
+
+class RunnerConfig(_Section):
+    """One episode's loop."""
+
+    max_steps: PositiveInt = 30
+    """Steps before the episode ends as ``max_steps``."""
+    action_pause_s: NonNegFloat = 1.0
+    """Pause after an action before the next screenshot."""
+    wait_s: NonNegFloat = 5.0
+    """Sleep of a ``wait()`` action before observing again."""
     episode_timeout_s: PositiveFloat = 1800.0
     """Wall-clock deadline of one episode's setup and steps (time waiting out a model
     outage excluded); the evaluation has its own."""
@@ -915,7 +926,7 @@ class TextConfig(_Section):
     final_answer_tool: bool = True
     """Offer an ``answer`` tool whose argument is the final answer (besides a plain reply)."""
     system_prompt: str | None = None
-    """Replaces the mode's system prompt (cua_rollout/text/agent.py: SYSTEM_PROMPTS)."""
+    """Replaces the mode's system prompt (cua_rollout/agents/tool.py: SYSTEM_PROMPTS)."""
     judge: ModelConfig | None = None
     """The judge model of ``llm_judgement`` (its own endpoints, ``name`` of the model they
     serve, which must be given, and key variable); null: the run's model (``model``)."""
@@ -952,6 +963,29 @@ class MonitoringConfig(_Section):
     """The experiment the run is logged under (the run's name names the tracker's run)."""
 
 
+# Keys that moved, old dotted path -> new one: a config that still uses one fails naming the
+# new key (YAML and --set alike), instead of "unknown key".
+MOVED_KEYS: dict[str, str] = {
+    "model.family": "agent.name",
+    **{f"model.{k}": f"agent.{k}" for k in ("min_pixels", "max_pixels", "constrain_actions")},
+    **{f"runner.{k}": f"agent.{k}" for k in (
+        "history_images", "history_texts", "max_parse_retries", "call_user",
+        "call_user_max_waits", "prompt_call_user", "prompt_language", "prompt_note")},
+}
+
+
+def _moved_key_problems(data: Any) -> list[str]:
+    """``old: moved to new`` for each key of ``data`` (a config mapping) that moved."""
+    problems = []
+    if isinstance(data, dict):
+        for old, new in MOVED_KEYS.items():
+            section, _, key = old.rpartition(".")
+            node = data.get(section) if section else data
+            if isinstance(node, dict) and key in node:
+                problems.append(f"{old} moved to {new}")
+    return problems
+
+
 class Config(_Section):
     """The whole configuration: one section per component."""
 
@@ -962,11 +996,20 @@ class Config(_Section):
     model_pool: ModelPoolConfig = ModelPoolConfig()
     desktops: DesktopsConfig = DesktopsConfig()
     coordinator: CoordinatorConfig = CoordinatorConfig()
+    agent: AgentConfig = AgentConfig()
     runner: RunnerConfig = RunnerConfig()
     evaluation: EvaluationConfig = EvaluationConfig()
     storage: StorageConfig = StorageConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     text: TextConfig = TextConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: Any) -> Any:
+        problems = _moved_key_problems(data)
+        if problems:
+            raise ValueError("; ".join(problems))
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -1102,6 +1145,8 @@ def _apply_override(data: dict[str, Any], item: str, where: str) -> None:
     parts = key.split(".")
     if not all(parts):
         raise ConfigError(f"--set {item!r}: empty part in key path {key!r}")
+    if key in MOVED_KEYS:
+        raise ConfigError(f"--set {key}: {key} moved to {MOVED_KEYS[key]}")
     annotation = _field_annotation(parts, key, where)
     node = data
     for depth, part in enumerate(parts[:-1]):

@@ -503,7 +503,7 @@ def run(cfg: Config) -> int:
         # model endpoints.
         TaskLoader(cfg.tasks, run_dir)
         check_text_modes(cfg)
-        if cfg.model.constrain_actions:
+        if cfg.agent.constrain_actions:
             check_max_tokens(cfg.model.sampling.max_tokens)
         tracker_uri = _tracker_uri(cfg)
         model_state_dir = None

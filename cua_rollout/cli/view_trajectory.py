@@ -53,7 +53,7 @@ _SCROLL_ARROW_PX = 120
 _LABEL_MAX_CHARS = 80
 _SCROLL_VECTORS = {"up": (0, -1), "down": (0, 1), "left": (-1, 0), "right": (1, 0)}
 # A text episode's tool call: what a return code other than 0 (ran) says; the codes of
-# cua_rollout/text/agent.py's TOOL_FAILED, TOOL_MALFORMED, TOOL_UNKNOWN, TOOL_OVER_LIMIT (the
+# cua_rollout/agents/tool.py's TOOL_FAILED, TOOL_MALFORMED, TOOL_UNKNOWN, TOOL_OVER_LIMIT (the
 # results scripts read run directories only, they import nothing of the runner's).
 _TOOL_RETURNCODES = {
     1: "tool error",

@@ -213,13 +213,13 @@ class ModelRequestError(RolloutError):
 class ContextTooShort(ModelRequestError):
     """A request needs more tokens than the endpoint's context (``max_model_len``) holds; it
     was not sent, since the server would refuse it (HTTP 400). The run's settings make every
-    step about as long, so the run stops: lower ``runner.history_images`` or
-    ``model.max_pixels``, or serve a longer context."""
+    step about as long, so the run stops: lower ``agent.history_images`` or
+    ``agent.max_pixels``, or serve a longer context."""
 
     def __init__(self, needed: int, limit: int, what: str, endpoint: str = "") -> None:
         super().__init__(400, f"not sent: {what} need at least {needed} tokens, more than the "
                          f"{limit} the endpoint serves (max_model_len); lower "
-                         "runner.history_images or model.max_pixels, or raise the server's "
+                         "agent.history_images or agent.max_pixels, or raise the server's "
                          "--max-model-len (model_pool.max_model_len)", endpoint)
         self.needed = needed
         self.limit = limit

@@ -21,7 +21,15 @@ from typing import Any, Protocol, runtime_checkable
 
 from cua_rollout.core.errors import ToolError
 
-__all__ = ["Tool", "ToolSpec", "check_arguments"]
+__all__ = ["TOOL_FAILED", "TOOL_MALFORMED", "TOOL_OK", "TOOL_OVER_LIMIT", "TOOL_UNKNOWN", "Tool",
+           "ToolSpec", "check_arguments"]
+
+# StepResult.returncode of a tool call (the counts a result line keeps come from these).
+TOOL_OK = 0          # the tool ran; its output is the model's to read
+TOOL_FAILED = 1      # the tool refused or failed (bad values, a page that did not load ...)
+TOOL_MALFORMED = 2   # the arguments are not a JSON object
+TOOL_UNKNOWN = 3     # no tool of that name
+TOOL_OVER_LIMIT = 4  # past text.max_tool_calls_per_turn: not run
 
 _JSON_TYPES: dict[str, tuple[type, ...]] = {
     "string": (str,),

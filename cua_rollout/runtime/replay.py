@@ -30,13 +30,14 @@ from typing import TYPE_CHECKING, Any
 
 from PIL import Image, ImageChops, ImageDraw
 
-from cua_rollout.agents.uitars import parse_response, to_pyautogui
+from cua_rollout.agents.base import make_agent
 from cua_rollout.config import Config, load_config
 from cua_rollout.core.screenshot import Screenshot
+from cua_rollout.core.types import DONE, FAIL, WAIT
+from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.evaluation import Evaluator, evaluate
 
 if TYPE_CHECKING:
-    from cua_rollout.envs.client import RemoteDesktopEnv
     from cua_rollout.model.service_pool import ModelServicePool
     from cua_rollout.runtime.pool import DesktopPool
 
@@ -122,21 +123,20 @@ async def play(
     stats: dict[str, Any] | None = None,
     then: Callable[[RemoteDesktopEnv, str | None], Awaitable[None]] | None = None,
 ) -> float:
-    """One episode as the rollout plays it: lease, reset(task), then each reply parsed and
-    run until DONE or FAIL (the last action), evaluate, release; returns the score.
+    """One episode as the rollout plays it: lease, reset(task), then each reply read by the
+    run's agent (``agent.name``: its parser and terminal rule, the runner's) and its code run
+    until DONE or FAIL (the last action), evaluate, release; returns the score.
 
-    The replies are either given, or asked of ``model`` step by step with the messages a
-    runner sends (prompt, screenshot history, current screenshot). ``evaluator``: see
-    ``score``; ``shots``: a folder for a screenshot after setup (00.png) and after each
-    action; ``log``: a print-like callable; ``stats``: a dict that gets ``setup_s``,
-    ``actions`` and ``evaluation_s``; ``then(env, last_action)``: run after scoring,
-    before the desktop is released."""
-    from cua_rollout.agents.uitars.prompt import Turn, build_messages
-    from cua_rollout.core.types import DONE, FAIL, WAIT
-    from cua_rollout.envs.client import RemoteDesktopEnv
-
+    The replies are either given, or asked of ``model`` step by step with the request the
+    agent builds (prompt, screenshot history, grammar). ``evaluator``: see ``score``;
+    ``shots``: a folder for a screenshot after setup (00.png) and after each action; ``log``:
+    a print-like callable; ``stats``: a dict that gets ``setup_s``, ``actions`` and
+    ``evaluation_s``; ``then(env, last_action)``: run after scoring, before the desktop is
+    released. A reply that does not parse raises ``ActionParseError``, an action that fails
+    ``AssertionError``: a replayed solution must run as written."""
     say = log or (lambda *_: None)
-    width, height = cfg.desktops.screen_width, cfg.desktops.screen_height
+    agent = make_agent(cfg.agent, instruction=str(task["instruction"]),
+                       max_tokens=cfg.model.sampling.max_tokens)
     lease = await pool.lease(f"replay-{task['id']}")
     try:
         env = RemoteDesktopEnv(lease.url, cfg.desktops, name=lease.desktop_id)
@@ -151,41 +151,38 @@ async def play(
             (shots / "00.png").write_bytes(shot.png)
         screen = decode(shot)
         pointer = await env.cursor_position()
-        history: list[Turn] = []
         last_action: str | None = None
         for step in range(cfg.runner.max_steps):
             if model is not None:
-                messages = build_messages(
-                    task["instruction"], history, shot,
-                    history_images=cfg.runner.history_images,
-                    history_texts=cfg.runner.history_texts,
-                )
-                text = (await model.generate(messages, f"{task['id']}-{lease.lease_id}")).text
+                request = agent.request(shot)
+                text = (await model.generate(
+                    request.messages, f"{task['id']}-{lease.lease_id}", regex=request.regex,
+                    least_tokens=request.least_tokens)).text
             elif replies is not None and step < len(replies):
                 text = replies[step]
             else:
                 break
-            history.append(Turn(shot, text))
-            parsed = parse_response(text, width, height, cfg.model.family,
-                                    min_pixels=cfg.model.min_pixels,
-                                    max_pixels=cfg.model.max_pixels)
-            code = to_pyautogui(parsed.actions)
-            say(f"{step + 1:02d} {code.strip()}")
-            if code in (DONE, FAIL):
-                last_action = code
-                break
-            figures["actions"] += 1
-            if code == WAIT:
-                await env.step(WAIT, pause_s=cfg.runner.wait_s)
-                shot = await env.observe()
-            else:
-                result = await env.step(code, pause_s=0.0)
+            parsed = agent.parse(text, shot)
+            agent.remember(shot, text)
+            decision = agent.decide(parsed)
+            say(f"{step + 1:02d} {(decision.action or '').strip()}")
+            if decision.code is not None:
+                figures["actions"] += 1
+                result = await env.step(decision.code, pause_s=0.0)
                 if not result.ok:
-                    raise AssertionError(f"{task['id']}: {code!r} failed: {result.error}")
+                    raise AssertionError(f"{task['id']}: {decision.code!r} failed: "
+                                         f"{result.error}")
                 moved_to = await env.cursor_position()
                 screen, shot = await settle(env, screen, [pointer, moved_to],
                                             cfg.runner.action_pause_s)
                 pointer = moved_to
+            if decision.terminal in (DONE, FAIL):
+                last_action = decision.terminal
+                break
+            if decision.terminal == WAIT:
+                figures["actions"] += decision.code is None
+                await env.step(WAIT, pause_s=cfg.runner.wait_s)
+                shot = await env.observe()
             if shots is not None:
                 (shots / f"{step + 1:02d}.png").write_bytes(shot.png)
         started = time.monotonic()

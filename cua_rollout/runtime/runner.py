@@ -23,15 +23,9 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
-from cua_rollout.agents.uitars import (
-    ParsedResponse,
-    action_regex,
-    parse_response,
-    split_terminal,
-    to_pyautogui,
-)
-from cua_rollout.agents.uitars.prompt import Turn, build_messages
-from cua_rollout.config import LEASE_MARGIN_S, Config, DesktopsConfig, RunnerConfig, SamplingConfig
+from cua_rollout.agents.base import AgentRequest, DesktopAgent, make_agent
+from cua_rollout.agents.tool import ToolAgent
+from cua_rollout.config import LEASE_MARGIN_S, Config, DesktopsConfig, SamplingConfig
 from cua_rollout.core.aio import TaskSet, call
 from cua_rollout.core.errors import (
     ActionParseError,
@@ -57,9 +51,9 @@ from cua_rollout.core.types import (
     Status,
     is_infeasible,
 )
-from cua_rollout.core.vision import IMAGE_WRAPPER_TOKENS, image_tokens
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv, StepResult
+from cua_rollout.envs.tools import TOOL_MALFORMED, TOOL_OVER_LIMIT
 from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.service_pool import Generation, ModelServicePool
 from cua_rollout.runtime.monitoring import Metrics
@@ -74,21 +68,10 @@ from cua_rollout.runtime.trajectory import (
     tool_call_record,
 )
 from cua_rollout.runtime.utilization import StateClock
-from cua_rollout.text.agent import (
-    ANSWER_TOOL,
-    SYSTEM_PROMPTS,
-    TOOL_MALFORMED,
-    TOOL_OVER_LIMIT,
-    AgentCounts,
-    assistant_message,
-    first_messages,
-    read_reply,
-    tool_message,
-)
 from cua_rollout.text.benchmark import is_text_task, task_metric
 from cua_rollout.text.metrics import JudgeError, judge, score
 
-__all__ = ["Decider", "EnvFactory", "EpisodeError", "TrajectoryRunner", "episode_deadline_s",
+__all__ = ["EnvFactory", "EpisodeError", "TrajectoryRunner", "episode_deadline_s",
            "episode_error", "open_leased_desktop"]
 
 log = logging.getLogger(__name__)
@@ -157,33 +140,6 @@ def episode_error(exc: Exception, desktop: str | None) -> EpisodeError:
     return EpisodeError(text, exc.retryable, not exc.blames_desktop, exc.outage, exc.fatal)
 
 
-class Decider:
-    """What a parsed reply makes the episode do: the pyautogui code to run (the actions
-    before a terminal one) and the terminal action (DONE, FAIL, WAIT or None). ``call_user``
-    fails the episode, as UI-TARS agents do, or waits up to ``call_user_max_waits`` times."""
-
-    def __init__(self, cfg: RunnerConfig) -> None:
-        self.cfg = cfg
-        self.call_user_waits = 0
-
-    def decide(self, parsed: ParsedResponse | None) -> tuple[str | None, str | None]:
-        if parsed is None:
-            return None, FAIL  # unparseable after every retry
-        before, kind = split_terminal(parsed.actions)
-        code = to_pyautogui(before) if before else None
-        if kind == "finished":
-            return code, DONE
-        if kind == "wait":
-            return code, WAIT
-        if kind == "call_user":
-            if (self.cfg.call_user == "wait"
-                    and self.call_user_waits < self.cfg.call_user_max_waits):
-                self.call_user_waits += 1
-                return code, WAIT
-            return code, FAIL
-        return code, None
-
-
 class _EpisodeEnded(Exception):
     """Internal: the episode must stop now with this status (and optional error)."""
 
@@ -208,12 +164,11 @@ class _Episode:
         self.task = spec.task
         self.started_at = time.time()
         self.session_id = f"{spec.episode_id}#{spec.attempt}"
-        self.history: list[Turn] = []
         self.files = ScreenshotFiles()
         self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt)
         self.steps = 0
         self.parse_failures = 0
-        self.decider = Decider(runner.cfg.runner)
+        self.agent = self._make_agent()
         self.last_action: str | None = None
         self.endpoints: list[str] = []
         self.model_version: str | None = None   # of the last generation
@@ -333,32 +288,27 @@ class _Episode:
         runner_cfg = self.cfg.runner
         step_started = time.monotonic()
         wall_started = time.time()
-        width, height = shot.size
-        messages = build_messages(
-            str(self.task.get("instruction", "")), self.history, shot,
-            history_images=runner_cfg.history_images, history_texts=runner_cfg.history_texts,
-            language=runner_cfg.prompt_language, call_user=runner_cfg.prompt_call_user,
-            note=runner_cfg.prompt_note,
-        )
-        self.last_messages = messages
+        request = self.agent.request(shot)
+        self.last_messages = request.messages
         self._enter("model")
-        generation, parsed, discarded, model_s = await self._generate(messages, width, height)
+        generation, parsed, discarded, model_s = await self._generate(request, shot)
         self._enter("other")
         sampling = self.cfg.model.sampling
         record = step_record(step, generation, parsed, len(discarded), self.files.file_of(shot),
                              token_ids=sampling.return_token_ids, logprobs=sampling.logprobs,
-                             constrained=self.cfg.model.constrain_actions)
+                             constrained=self.agent.constrained)
         if discarded:
             record["discarded"] = discarded
-        self._record_images(record, messages, generation, width, height)
-        self.history.append(Turn(shot, generation.text))
-        self._forget_old_screenshot()
+        self._record_images(record, request, generation)
+        gone = self.agent.remember(shot, generation.text)
+        if gone is not None:  # left the image window: the last request no longer shows it
+            self.files.forget(gone)
         self.steps = step
 
         env_started = time.monotonic()
-        code, terminal = self.decider.decide(parsed)
-        record["action"] = terminal if code is None else (
-            code if terminal in (None, WAIT) else f"{code}\n{terminal}")
+        decision = self.agent.decide(parsed)
+        code, terminal = decision.code, decision.terminal
+        record["action"] = decision.action
         # The step counts from here (its action may run): a deadline or a cancel before it
         # is held below still writes its line, so result.steps is traj.jsonl's line count.
         self.pending_record = record
@@ -426,15 +376,17 @@ class _Episode:
             self.timing[key] += timing[key]
         self.r.step_done(timing, acted=split["action_s"] > 0)
 
-    def _record_images(self, record: dict[str, Any], messages: list[dict[str, Any]],
-                       generation: Generation, width: int, height: int) -> None:
+    def _make_agent(self) -> DesktopAgent:
+        return make_agent(self.cfg.agent, instruction=str(self.task.get("instruction", "")),
+                          max_tokens=self.cfg.model.sampling.max_tokens)
+
+    def _record_images(self, record: dict[str, Any], request: AgentRequest,
+                       generation: Generation) -> None:
         """What rebuilding the multimodal prompt needs: each image of the request in order
         (its file, its placeholder token count) and, when the server returned the prompt's
         token ids, where those placeholders are in them."""
-        model = self.cfg.model
-        tokens = image_tokens(width, height, min_pixels=model.min_pixels,
-                              max_pixels=model.max_pixels)
-        files = self.files.image_files(messages)
+        tokens = request.image_tokens
+        files = [self.files.file_of(s) for s in request.screenshots]
         record["images"] = [{"file": f, "tokens": tokens} for f in files]
         if generation.prompt_token_ids is not None:
             record["image_spans"] = image_spans(generation.prompt_token_ids,
@@ -448,40 +400,28 @@ class _Episode:
             self.model_versions.append(version)
 
     async def _generate(
-        self, messages: list[dict[str, Any]], width: int, height: int
-    ) -> tuple[Generation, ParsedResponse | None, list[dict[str, Any]], float]:
-        """Ask the model; an unparseable reply is asked again up to ``max_parse_retries``
-        times, after which the episode ends as the UI-TARS agents end it (FAIL). Returns
-        the reply, its parse, the replies dropped before it (kept for the trajectory) and
-        the time spent asking."""
-        cfg = self.cfg
-        model = cfg.model
-        pixels = {"min_pixels": model.min_pixels, "max_pixels": model.max_pixels}
-        regex = action_regex(width, height, model.family, call_user=cfg.runner.prompt_call_user,
-                             **pixels) if model.constrain_actions else None
-        images = sum(1 for m in messages if isinstance(m.get("content"), list)
-                     for part in m["content"] if part.get("type") == "image_url")
-        per_image = IMAGE_WRAPPER_TOKENS + image_tokens(width, height, **pixels)
-        least_tokens = (images * per_image + model.sampling.max_tokens,
-                        f"{images} screenshot(s) of {width}x{height} ({per_image} tokens each) "
-                        f"and a reply of up to {model.sampling.max_tokens} tokens")
+        self, request: AgentRequest, shot: Screenshot
+    ) -> tuple[Generation, Any | None, list[dict[str, Any]], float]:
+        """Ask the model; an unparseable reply is asked again up to the agent's
+        ``max_parse_retries`` times, after which the episode ends as the UI-TARS agents end
+        it (FAIL). Returns the reply, its parse, the replies dropped before it (kept for the
+        trajectory) and the time spent asking."""
+        retries = self.agent.max_parse_retries
         model_s = 0.0
-        sampling = model.sampling
+        sampling = self.cfg.model.sampling
         discarded: list[dict[str, Any]] = []
-        for retry in range(cfg.runner.max_parse_retries + 1):
-            generation, asked_s = await self._ask_model(messages, regex=regex,
-                                                        least_tokens=least_tokens)
+        for retry in range(retries + 1):
+            generation, asked_s = await self._ask_model(
+                request.messages, regex=request.regex, least_tokens=request.least_tokens)
             model_s += asked_s
             try:
-                parsed = parse_response(generation.text, width, height, model.family, **pixels)
-                if not parsed.actions:
-                    raise ActionParseError("the reply has no action", generation.text)
+                parsed = self.agent.parse(generation.text, shot)
                 return generation, parsed, discarded, model_s
             except ActionParseError as exc:
                 self.parse_failures += 1
                 log.info("episode %s: unparseable reply (%s), attempt %d", self.spec.episode_id,
                          exc, retry + 1)
-                if retry < cfg.runner.max_parse_retries:  # the last one is the step's reply
+                if retry < retries:  # the last one is the step's reply
                     discarded.append(discarded_generation(
                         generation, str(exc), token_ids=sampling.return_token_ids,
                         logprobs=sampling.logprobs))
@@ -556,17 +496,6 @@ class _Episode:
             await self.writer.step(None, name, shot.png)
             self.files.remember(shot, name)
         shot.forget_png()  # stored: requests need its base64 only
-
-    def _forget_old_screenshot(self) -> None:
-        """Drop the screenshot of the turn that just left the last request's image window
-        (its file is written; it is never sent again): an episode holds ``history_images``
-        screenshots (PNG and base64), not every one it has seen."""
-        old = len(self.history) - 1 - self.cfg.runner.history_images
-        if old < 0 or (shot := self.history[old].screenshot) is None:
-            return
-        # The last request (last_messages, saved at the end) no longer shows it either.
-        self.files.forget(shot)
-        self.history[old].screenshot = None
 
     # ----------------------------------------------------------------- the end
 
@@ -675,15 +604,17 @@ async def _all_or_none(calls: list[Awaitable[StepResult]]) -> list[StepResult]:
 class _TextEpisode(_Episode):
     """A text episode (math, py, rag, web): no desktop; a text environment's tools in its
     place (``cua_rollout.text.envs``), a tool-calling conversation of up to ``text.max_turns``
-    replies (``cua_rollout.text.agent``), scored by the item's answer metric. Everything else
+    replies (``cua_rollout.agents.tool``), scored by the item's answer metric. Everything else
     (storage, deadlines, model outages, retries, results) is the desktop episode's."""
 
     uses_desktop = False
 
     def __init__(self, runner: TrajectoryRunner, spec: EpisodeSpec, avoid: list[str]) -> None:
         super().__init__(runner, spec, avoid)
-        self.counts = AgentCounts()
         self.answer: str | None = None
+
+    def _make_agent(self) -> ToolAgent:  # type: ignore[override]
+        return ToolAgent(self.cfg.text, str(self.task["mode"]))
 
     def _enter(self, phase: str | None) -> None:
         pass  # the utilization clocks count desktops' time; a text episode holds none
@@ -709,39 +640,31 @@ class _TextEpisode(_Episode):
         question = await env.reset(self.task)
         self.timing["reset_s"] = time.monotonic() - t0
         self.reset_done = True
-        tools = [spec.openai() for spec in env.tools]
-        if text_cfg.final_answer_tool:
-            tools.append(ANSWER_TOOL.openai())
-        prompt = text_cfg.system_prompt or SYSTEM_PROMPTS[env.mode]
-        messages = first_messages(question, prompt)
-        self.last_messages = messages
+        self.agent.start(question, env.tools)
+        self.last_messages = self.agent.messages
         for turn in range(1, text_cfg.max_turns + 1):
-            if await self._turn(env, turn, messages, tools):
+            if await self._turn(env, turn):
                 return Status.FAILURE  # answered: scored next
         return Status.MAX_STEPS
 
-    async def _turn(self, env: Any, turn: int, messages: list[dict[str, Any]],
-                    tools: list[dict[str, Any]]) -> bool:
+    async def _turn(self, env: Any, turn: int) -> bool:
         """One reply and the calls it makes; True when it ends the episode."""
         text_cfg = self.cfg.text
+        agent = self.agent
         step_started = time.monotonic()
         wall_started = time.time()
-        generation, model_s = await self._ask_model(
-            messages, tools=tools or None, tool_choice=text_cfg.tool_choice if tools else None)
+        generation, model_s = await self._ask_model(agent.messages, **agent.request())
         sampling = self.cfg.model.sampling
         record = text_step_record(turn, generation, token_ids=sampling.return_token_ids,
                                   logprobs=sampling.logprobs)
-        reply = read_reply(generation.text, generation.tool_calls,
-                           answer_tool=text_cfg.final_answer_tool)
+        reply = agent.read(generation.text, generation.tool_calls)
         self.steps = turn  # a turn is a step
         self.pending_record = record
         env_started = time.monotonic()
         ended = not reply.calls and reply.answer_problem is None
         if ended:
             self.answer = reply.answer
-            # The conversation on disk (messages.json) ends with the answering reply.
-            messages.append(assistant_message(generation.text, [reply.answer_call]
-                                              if reply.answer_call is not None else []))
+            agent.answered(generation.text, reply)
             self.last_action = "answer"
             record["action"] = "answer"
             record["answer"] = reply.answer
@@ -760,13 +683,8 @@ class _TextEpisode(_Episode):
                                                            TOOL_MALFORMED, text, text)
             # Answered in the order the model made the calls.
             answered = [c for c in reply.all_calls if c.id in results]
-            messages.append(assistant_message(generation.text, answered))
-            record["tool_calls"] = []
-            for call in answered:
-                result = results[call.id]
-                messages.append(tool_message(call, result.output))
-                self.counts.count(call.name, result)
-                record["tool_calls"].append(tool_call_record(call, result))
+            agent.called(generation.text, answered, results)
+            record["tool_calls"] = [tool_call_record(c, results[c.id]) for c in answered]
             record["action"] = ",".join(c.name for c in answered)
             self.last_action = record["action"]
         env_s = time.monotonic() - env_started
@@ -811,7 +729,7 @@ class _TextEpisode(_Episode):
             answer = answer[:_ANSWER_RECORD_CHARS] + "…"
         out.text = {"mode": self.task.get("mode"), "benchmark": self.task.get("benchmark"),
                     "metric": metric, "variant": variant, "answer": answer,
-                    "turns": self.steps, **self.counts.record()}
+                    "turns": self.steps, **self.agent.counts.record()}
         return out
 
 

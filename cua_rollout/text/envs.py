@@ -25,8 +25,14 @@ from typing import Any
 from cua_rollout.config import TextConfig
 from cua_rollout.core.errors import ConfigError, ToolError
 from cua_rollout.envs.contract import StepResult, ToolCall
-from cua_rollout.envs.tools import Tool, ToolSpec
-from cua_rollout.text.agent import TOOL_FAILED, TOOL_MALFORMED, TOOL_OK, TOOL_UNKNOWN
+from cua_rollout.envs.tools import (
+    TOOL_FAILED,
+    TOOL_MALFORMED,
+    TOOL_OK,
+    TOOL_UNKNOWN,
+    Tool,
+    ToolSpec,
+)
 
 __all__ = ["ToolEnv", "check_text_modes", "make_text_env", "rag_settings", "web_settings"]
 

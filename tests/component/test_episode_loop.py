@@ -99,7 +99,7 @@ async def make_world(tmp_path: Path) -> AsyncIterator[Callable[..., Any]]:
             f"run.output_dir={tmp_path / 'results'}",
             "model.scripted=false", f"model.endpoints={json.dumps(endpoints)}",
             "model.retries=0", "desktops.count=1", "runner.action_pause_s=0",
-            "runner.max_parse_retries=1", f"desktops.screen_width={SCREEN[0]}",
+            "agent.max_parse_retries=1", f"desktops.screen_width={SCREEN[0]}",
             f"desktops.screen_height={SCREEN[1]}", f"desktops.download_cache_dir={tmp_path}",
             *sets,
         ])
@@ -178,7 +178,7 @@ async def test_unparseable_replies_are_asked_again_then_fail_which_solves_an_inf
 
 
 async def test_call_user_waits_as_configured_then_fails(make_world):
-    world = await make_world("runner.call_user=wait", "runner.call_user_max_waits=1",
+    world = await make_world("agent.call_user=wait", "agent.call_user_max_waits=1",
                              "runner.wait_s=0", replies=["Action: call_user()"] * 2)
     result = await world.run()
     assert (result.status, result.steps, result.last_action) == ("failure", 2, "FAIL")

@@ -82,7 +82,7 @@ async def test_a_request_longer_than_the_endpoints_context_is_not_sent(servers):
         error = caught.value
         assert error.fatal and not error.retryable and (error.needed, error.limit) == (5000, 4096)
         assert "5 screenshot(s) of 1x1 need at least 5000 tokens" in str(error)
-        assert "runner.history_images" in str(error)
+        assert "agent.history_images" in str(error)
         # One that fits is sent, with the action grammar when asked; the context was asked
         # of the server once.
         await pool.generate(MESSAGES, "s", least_tokens=(4096, "fits"), regex="Thought: a")

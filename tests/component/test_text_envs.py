@@ -24,8 +24,15 @@ from cua_rollout.config import TextConfig
 from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
 from cua_rollout.envs.checker import ConformanceError, check_text_env
 from cua_rollout.envs.contract import StepResult, TextEnv, ToolCall
-from cua_rollout.envs.tools import Tool, ToolSpec, check_arguments
-from cua_rollout.text.agent import TOOL_FAILED, TOOL_MALFORMED, TOOL_OK, TOOL_UNKNOWN
+from cua_rollout.envs.tools import (
+    TOOL_FAILED,
+    TOOL_MALFORMED,
+    TOOL_OK,
+    TOOL_UNKNOWN,
+    Tool,
+    ToolSpec,
+    check_arguments,
+)
 from cua_rollout.text.envs import ToolEnv, make_text_env
 from cua_rollout.text.web_corpus import WebCorpusServer
 

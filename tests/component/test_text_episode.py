@@ -1,7 +1,7 @@
 """The text episode loop as a component: a real TrajectoryRunner (no desktop pool), StorageActor
 and model client over real HTTP to a fake OpenAI server on loopback that replies with tool
 calls, and a ``ToolEnv`` of small tools written here. Each test drives one path of the
-tool-calling agent (``cua_rollout.text.agent``) and reads what the episode leaves on disk and
+tool-calling agent (``cua_rollout.agents.tool``) and reads what the episode leaves on disk and
 what the model was sent."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing import Any
 
 import pytest
 
+from cua_rollout.agents.tool import SYSTEM_PROMPTS
 from cua_rollout.config import Config, load_config
 from cua_rollout.core.errors import ToolError, ToolUnavailable
 from cua_rollout.core.types import EpisodeResult, EpisodeSpec
 from cua_rollout.envs.tools import ToolSpec, check_arguments
 from cua_rollout.runtime.runner import TrajectoryRunner
 from cua_rollout.runtime.storage import StorageActor
-from cua_rollout.text.agent import SYSTEM_PROMPTS
 from cua_rollout.text.benchmark import text_task
 from cua_rollout.text.envs import ToolEnv
 from cua_rollout.text.metrics import JUDGE_SYSTEM_PROMPT

@@ -157,7 +157,7 @@ def test_a_killed_desktop_server_is_an_infra_error_retried_on_another_desktop(lo
 def test_a_model_replying_garbage_takes_the_parse_failure_path(local_ray, tmp):
     with FakeOpenAIServer(reply=lambda body: "I would rather not use your format.") as model:
         cfg = _config(tmp, model.url, ["terminal-hello-file", "terminal-wifi-infeasible"],
-                      **{"runner.max_parse_retries": 2})
+                      **{"agent.max_parse_retries": 2})
         with _rollout(cfg) as (actors, loader):
             ray.get(actors.coordinator.submit.remote(loader.poll()))
             _wait(actors)

@@ -53,7 +53,7 @@ def is_infeasible(task: dict[str, Any]) -> bool:
 def test_task_files_are_well_formed_and_solutions_parse():
     cfg = load_config(DEMO_CONFIG)
     width, height = cfg.desktops.screen_width, cfg.desktops.screen_height
-    family = cfg.model.family
+    family = cfg.agent.name
     index = json.loads((SUITE / "test_all.json").read_text())
     on_disk = {(p.parent.name, p.stem) for p in (SUITE / "examples").glob("*/*.json")}
     assert on_disk == {(d, i) for d, ids in index.items() for i in ids}
@@ -172,7 +172,7 @@ async def test_a_released_desktop_keeps_nothing_of_the_previous_episode(demo):
         await env.reset(task)
         # The episode types its command into xterm, which writes ~/Desktop/hello.txt.
         typed = parse_response(task["reference_solution"][0], cfg.desktops.screen_width,
-                               cfg.desktops.screen_height, cfg.model.family)
+                               cfg.desktops.screen_height, cfg.agent.name)
         assert (await env.step(to_pyautogui(typed.actions))).ok
         deadline = time.monotonic() + 30
         while await env.get_file("~/Desktop/hello.txt") is None:

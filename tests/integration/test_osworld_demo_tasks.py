@@ -84,7 +84,7 @@ def test_every_domain_has_two_well_formed_tasks_with_solutions(monkeypatch):
             assert problem is None, f"{where}: {problem}"
         kinds = []
         for i, text in enumerate(task["reference_solution"]):
-            parsed = parse_response(text, width, height, cfg.model.family)
+            parsed = parse_response(text, width, height, cfg.agent.name)
             assert parsed.thought and len(parsed.actions) == 1, f"{where} reply {i}"
             kinds.append(parsed.actions[0].kind)
             for point in (parsed.actions[0].point, parsed.actions[0].end_point):

@@ -131,7 +131,7 @@ def test_the_vlm_demo_as_users_run_it(tmp):
             assert s["constrained"] is True
             assert s["parse_retries"] == 0 and s["actions"], s["response"]  # the grammar holds
             assert re.fullmatch(action_regex(1280, 720), s["response"]), s["response"]
-            images = min(i, 5)                                 # runner.history_images: 5
+            images = min(i, 5)                                 # agent.history_images: 5
             # The images of the history window are in the prompt, as image placeholders.
             assert s["prompt_token_ids"].count(image_pad) == images * per_image
             assert s["prompt_tokens"] == len(s["prompt_token_ids"])
@@ -319,9 +319,9 @@ def test_without_the_grammar_unparseable_replies_take_the_parse_failure_path(poo
         args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO_VLM)]
         for s in (f"run.output_dir={tmp / 'results'}",
                   f"model.endpoints=[\"{proxy.server.url}\"]",
-                  "model_pool.start_with_run=false", "model.constrain_actions=false",
+                  "model_pool.start_with_run=false", "agent.constrain_actions=false",
                   f"desktops.local.state_dir={tmp / 'd'}", "tasks.task_ids=[\"calc-add\"]",
-                  "runner.max_parse_retries=2", "ray.include_dashboard=false"):
+                  "agent.max_parse_retries=2", "ray.include_dashboard=false"):
             args += ["--set", s]
         done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S)

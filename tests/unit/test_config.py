@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import cua_rollout.config as config_module
-from cua_rollout.config import Config, load_config, secret_from_env
+from cua_rollout.config import MOVED_KEYS, AgentConfig, Config, load_config, secret_from_env
 from cua_rollout.core.errors import ConfigError
 from tests.support import REPO_ROOT
 
@@ -40,7 +40,6 @@ tasks:
        numeric_tolerance: 0.01, name: gsm-py}
 model:
   name: ui-tars-1.5-7b
-  family: uitars-1.0
   endpoints: ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
   endpoints_url: null  # excludes endpoints
   version: ckpt-7
@@ -61,9 +60,6 @@ model:
   max_connections_per_endpoint: 64
   endpoint_failures_to_eject: 5
   reprobe_interval_s: 3
-  min_pixels: 3136
-  max_pixels: 1003520
-  constrain_actions: true
 model_pool:
   checkpoint: /ckpt/step-100
   replicas: 4
@@ -139,9 +135,11 @@ coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: ba
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff_initial_s: 2,
               outage_backoff_max_s: 10, outage_give_up_s: 600, batch_cutoff: 0.98,
               batch_grace_s: 30}
-runner: {max_steps: 15, history_images: 3, history_texts: 10, action_pause_s: 0.5, wait_s: 2,
-         max_parse_retries: 2, call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
-         prompt_language: Chinese, prompt_note: "sudo password is in the note",
+agent: {name: uitars-1.0, history_images: 3, history_texts: 10, max_parse_retries: 2,
+        call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
+        prompt_language: Chinese, prompt_note: "sudo password is in the note",
+        min_pixels: 3136, max_pixels: 1003520, constrain_actions: true}
+runner: {max_steps: 15, action_pause_s: 0.5, wait_s: 2,
          episode_timeout_s: 600, evaluation_timeout_s: 60, save_screenshots: false}
 evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path: /src/OSWorld,
              worker_start_timeout_s: 30}
@@ -181,10 +179,10 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.run.name == "exp-1" and cfg.run.output_dir == Path("out")
     assert cfg.ray.address == "auto" and cfg.ray.dashboard_port == 8266
     assert cfg.tasks.rollouts_per_task == 8 and cfg.tasks.dynamic_rollouts.threshold == 0.75
-    assert cfg.model.family == "uitars-1.0" and cfg.model.sampling.max_tokens == 1000
+    assert cfg.agent.name == "uitars-1.0" and cfg.model.sampling.max_tokens == 1000
     assert cfg.model.endpoints == ["http://127.0.0.1:8000", "http://127.0.0.1:8001"]
     assert cfg.model_pool.replicas == 4 and cfg.model_pool.env == {"VLLM_SERVER_DEV_MODE": "1"}
-    assert cfg.model.max_pixels == 1003520 and cfg.model.constrain_actions is True
+    assert cfg.agent.max_pixels == 1003520 and cfg.agent.constrain_actions is True
     assert cfg.desktops.container.memory == "3g" and cfg.desktops.container.runtime == "runc"
     assert cfg.model_pool.max_model_len == 16384 and cfg.model_pool.control_port == 8099
     assert cfg.desktops.node == "10.0.0.9" and cfg.desktops.local.host == "10.0.0.9"
@@ -195,7 +193,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     ]
     assert cfg.desktops.kubernetes.memory == "4Gi" and cfg.desktops.local.start_timeout_s == 30
     assert cfg.coordinator.schedule == "batch" and cfg.coordinator.episodes_per_runner == 16
-    assert cfg.runner.call_user == "wait" and cfg.runner.history_images == 3
+    assert cfg.agent.call_user == "wait" and cfg.agent.history_images == 3
     assert cfg.desktops.offline is True and cfg.desktops.chromium_port == 9333
     assert cfg.desktops.accounts_dir == Path("/data/osworld/settings")
     assert cfg.desktops.verify.enabled is False and cfg.desktops.verify.home_depth == 3
@@ -346,7 +344,7 @@ def test_overrides_are_typed_by_the_schema(tmp_path):
             "ray.address=",
             "desktops.static.urls=[http://a:5000]",
             "desktops.provider=static",
-            "runner.prompt_note=password: 'x'",
+            "agent.prompt_note=password: 'x'",
         ],
     )
     assert cfg.run.name == "123"
@@ -357,7 +355,7 @@ def test_overrides_are_typed_by_the_schema(tmp_path):
     assert cfg.model_pool.env == {"VLLM_SERVER_DEV_MODE": "1"}
     assert cfg.ray.address == ""
     assert cfg.desktops.static.urls == ["http://a:5000"]
-    assert cfg.runner.prompt_note == "password: 'x'"
+    assert cfg.agent.prompt_note == "password: 'x'"
 
 
 @pytest.mark.parametrize(
@@ -457,3 +455,16 @@ def test_a_judge_without_the_name_of_its_model_is_refused() -> None:
     named = Config.model_validate(
         {"text": {"judge": {"endpoints": ["http://127.0.0.1:9"], "name": "judge-7b"}}})
     assert named.text.judge is not None and named.text.judge.name == "judge-7b"
+
+
+def test_a_key_that_moved_names_its_new_place(tmp_path):
+    path = tmp_path / "old.yaml"
+    path.write_text("model: {family: uitars-1.0}\nrunner: {history_images: 3}\n")
+    with pytest.raises(ConfigError) as caught:
+        load_config(path)
+    assert "model.family moved to agent.name" in str(caught.value)
+    assert "runner.history_images moved to agent.history_images" in str(caught.value)
+    with pytest.raises(ConfigError, match=r"--set model.max_pixels: model.max_pixels moved to "
+                                          r"agent.max_pixels"):
+        load_config(None, ["model.max_pixels=1000"])
+    assert set(MOVED_KEYS.values()) <= {f"agent.{k}" for k in AgentConfig.model_fields}

@@ -649,10 +649,10 @@ def test_the_endpoints_are_the_statefulsets_replicas(tmp_path):
     args = container["args"]
     assert _arg(args, "--served-model-name") == cfg.model.name
     assert int(_arg(args, "--port")) == port
-    assert json.loads(_arg(args, "--limit-mm-per-prompt"))["image"] == cfg.runner.history_images
+    assert json.loads(_arg(args, "--limit-mm-per-prompt"))["image"] == cfg.agent.history_images
     pixels = json.loads(_arg(args, "--mm-processor-kwargs"))
-    assert pixels == {"min_pixels": cfg.model.min_pixels, "max_pixels": cfg.model.max_pixels}, \
-        "model-pool.yaml: --mm-processor-kwargs must equal model.min_pixels / max_pixels"
+    assert pixels == {"min_pixels": cfg.agent.min_pixels, "max_pixels": cfg.agent.max_pixels}, \
+        "model-pool.yaml: --mm-processor-kwargs must equal agent.min_pixels / max_pixels"
     assert int(_arg(args, "--max-model-len")) >= RequestShape.of(cfg).budget(), \
         "model-pool.yaml: --max-model-len is shorter than the run's longest request"
     assert _env_secret(container, "VLLM_API_KEY") == ("cua-model-key", "key")

@@ -70,7 +70,7 @@ def test_the_import_contracts_hold():
     ("core/errors.py", "cua_rollout.runtime.runner"),      # vocabulary on top of the runtime
     ("config.py", "cua_rollout.agents.uitars"),            # the schema on top of an agent
     ("desktop/server.py", "cua_rollout.core.errors"),      # the desktop server not standalone
-    ("agents/uitars/parser.py", "cua_rollout.envs.contract"),  # agents on environments
+    ("agents/uitars/parser.py", "cua_rollout.envs.client"),  # an agent on a desktop client
 ])
 def test_the_contracts_catch_an_import_against_them(tmp_path, importer, imported):
     """The same contracts over a copy of the package with one forbidden import added."""

@@ -1,4 +1,4 @@
-"""The text agent's pure functions (``cua_rollout.text.agent``): a model reply read into tool calls
+"""The text agent's pure functions (``cua_rollout.agents.tool``): a model reply read into tool calls
 and a final answer, the messages of the OpenAI chat wire format, the tool-use counts."""
 
 from __future__ import annotations
@@ -8,15 +8,9 @@ from typing import Any
 
 import pytest
 
-from cua_rollout.config import TEXT_MODES
-from cua_rollout.envs.contract import StepResult, ToolCall
-from cua_rollout.text.agent import (
+from cua_rollout.agents.tool import (
     ANSWER_TOOL,
     SYSTEM_PROMPTS,
-    TOOL_FAILED,
-    TOOL_MALFORMED,
-    TOOL_OK,
-    TOOL_UNKNOWN,
     AgentCounts,
     ReadReply,
     assistant_message,
@@ -25,6 +19,9 @@ from cua_rollout.text.agent import (
     read_reply,
     tool_message,
 )
+from cua_rollout.config import TEXT_MODES
+from cua_rollout.envs.contract import StepResult, ToolCall
+from cua_rollout.envs.tools import TOOL_FAILED, TOOL_MALFORMED, TOOL_OK, TOOL_UNKNOWN
 
 
 def _call(name: str, arguments: Any, call_id: str | None = "call_x") -> dict[str, Any]:

@@ -1,12 +1,10 @@
-"""The runner's decisions on a parsed reply (terminal actions, call_user, unparseable
-replies), how an error ends an episode, and the shape of results; the episode loop itself is
+"""How an error ends an episode, and the shape of results (the agent's decisions on a reply:
+tests/unit/test_uitars_agent.py); the episode loop itself is
 exercised in tests/component/test_episode_loop.py (fakes) and on real Ray and real desktops
 in the integration tests."""
 
 from __future__ import annotations
 
-from cua_rollout.agents.uitars import parse_response
-from cua_rollout.config import load_config
 from cua_rollout.core.errors import (
     ConfigError,
     DesktopError,
@@ -18,38 +16,12 @@ from cua_rollout.core.errors import (
     UnsupportedEvaluator,
     UnsupportedSetupStep,
 )
-from cua_rollout.core.types import DONE, FAIL, STATUSES, WAIT, EpisodeSpec, infra_result
-from cua_rollout.runtime.runner import Decider, episode_error
+from cua_rollout.core.types import STATUSES, EpisodeSpec, infra_result
+from cua_rollout.runtime.runner import episode_error
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
 TASK = {"id": "t1", "instruction": "do it", "evaluator": {"func": "infeasible"}}
-
-
-def _decider(*sets: str) -> Decider:
-    return Decider(load_config(ROOT / "configs" / "demo.yaml", list(sets)).runner)
-
-
-def _parsed(action: str):
-    return parse_response(f"Thought: x\nAction: {action}", 1280, 720)
-
-
-def test_terminal_actions_and_what_runs_before_them():
-    decider = _decider()
-    assert decider.decide(_parsed("finished(content='ok')")) == (None, DONE)
-    assert decider.decide(_parsed("wait()")) == (None, WAIT)
-    code, terminal = decider.decide(_parsed("click(start_box='(10,10)')\n\nfinished()"))
-    assert terminal == DONE and code.startswith("pyautogui.click(")
-    code, terminal = decider.decide(_parsed("hotkey(key='ctrl s')"))
-    assert terminal is None and "hotkey" in code
-    assert decider.decide(None) == (None, FAIL)  # unparseable after every retry
-
-
-def test_call_user_fails_or_waits_up_to_the_configured_number():
-    assert _decider().decide(_parsed("call_user()")) == (None, FAIL)
-    waiting = _decider("runner.call_user=wait", "runner.call_user_max_waits=2")
-    decisions = [waiting.decide(_parsed("call_user()"))[1] for _ in range(3)]
-    assert decisions == [WAIT, WAIT, FAIL]
 
 
 def test_how_each_error_ends_an_episode_is_the_errors_class():

@@ -131,15 +131,15 @@ def test_config_rules_of_the_vlm_settings():
     # Checked at a run's start (the grammar is the agent's, not the schema's).
     with pytest.raises(ConfigError, match=r"max_tokens \(20\) must be at least"):
         check_max_tokens(Config.model_validate(
-            {"model": {"constrain_actions": True, "sampling": {"max_tokens": 20}}}
+            {"agent": {"constrain_actions": True}, "model": {"sampling": {"max_tokens": 20}}}
         ).model.sampling.max_tokens)
     with pytest.raises(ValueError, match=r"start_with_run needs model_pool\.checkpoint"):
         Config.model_validate({"model_pool": {"start_with_run": True}})
     with pytest.raises(ValueError, match=r"excludes model\.scripted"):
         Config.model_validate({"model": {"scripted": True},
                                "model_pool": {"start_with_run": True, "checkpoint": "x"}})
-    # The parser's defaults are the model settings' defaults.
-    assert (Config().model.min_pixels, Config().model.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
+    # The parser's defaults are the agent settings' defaults.
+    assert (Config().agent.min_pixels, Config().agent.max_pixels) == (MIN_PIXELS, MAX_PIXELS)
 
 
 def test_a_replica_key_goes_to_its_environment_never_its_command_line(tmp, monkeypatch):

@@ -186,6 +186,6 @@ def check_max_tokens(max_tokens: int) -> None:
     longest = action_regex_max_chars()
     if max_tokens < longest:
         raise ConfigError(
-            f"model.constrain_actions: model.sampling.max_tokens ({max_tokens}) must be at "
+            f"agent.constrain_actions: model.sampling.max_tokens ({max_tokens}) must be at "
             f"least {longest}, the longest reply the action grammar allows (a cut reply does "
             "not parse)")

@@ -14,7 +14,7 @@ from typing import Any
 from cua_rollout.agents.uitars import add_box_token
 from cua_rollout.core.screenshot import Screenshot
 
-__all__ = ["SYSTEM_PROMPT", "Turn", "build_messages", "build_prompt"]
+__all__ = ["SYSTEM_PROMPT", "Turn", "build_messages", "build_prompt", "window_screenshots"]
 
 SYSTEM_PROMPT = "You are a helpful assistant."
 
@@ -136,6 +136,14 @@ def build_messages(
         )
     messages.append({"role": "user", "content": [_image_part(current)]})
     return messages
+
+
+def window_screenshots(history: list[Turn], current: Screenshot, *, history_images: int = 5,
+                       history_texts: int = 35) -> list[Screenshot]:
+    """The screenshots ``build_messages`` sends with the same arguments, in prompt order."""
+    kept = history[-history_texts:] if history_texts else []
+    with_image_from = max(0, len(kept) - (history_images - 1))
+    return [t.screenshot for t in kept[with_image_from:] if t.screenshot is not None] + [current]
 
 
 def _image_part(shot: Screenshot) -> dict[str, Any]:

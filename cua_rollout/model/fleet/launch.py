@@ -2,9 +2,9 @@
 its devices (its GPUs, or the CPU build sharing the cores), from ``model_pool``.
 
 A vision-language checkpoint (a ``vision_config`` in its config.json) is started for the run's
-requests: as many images per prompt as ``runner.history_images``, a context long enough for
+requests: as many images per prompt as ``agent.history_images``, a context long enough for
 them and the history (``request_budget``), and the image processor's pixel bounds equal to the
-parser's (``model.min_pixels`` / ``max_pixels``), so a click lands where the model pointed.
+parser's (``agent.min_pixels`` / ``max_pixels``), so a click lands where the model pointed.
 On the CPU build it also gets the isolated torchvision its model code needs (``vlm_cpu_site``),
 on its ``PYTHONPATH`` only.
 """
@@ -57,8 +57,8 @@ class RequestShape:
 
     screen_width: int
     screen_height: int
-    images: int             # screenshots per request (runner.history_images)
-    replies: int            # past replies per request (runner.history_texts)
+    images: int             # screenshots per request (agent.history_images)
+    replies: int            # past replies per request (agent.history_texts)
     max_tokens: int         # per reply (model.sampling.max_tokens)
     min_pixels: int
     max_pixels: int
@@ -66,8 +66,8 @@ class RequestShape:
     @classmethod
     def of(cls, cfg: Config) -> RequestShape:
         return cls(cfg.desktops.screen_width, cfg.desktops.screen_height,
-                   cfg.runner.history_images, cfg.runner.history_texts,
-                   cfg.model.sampling.max_tokens, cfg.model.min_pixels, cfg.model.max_pixels)
+                   cfg.agent.history_images, cfg.agent.history_texts,
+                   cfg.model.sampling.max_tokens, cfg.agent.min_pixels, cfg.agent.max_pixels)
 
     @property
     def tokens_per_image(self) -> int:
@@ -117,7 +117,7 @@ def _vision_args(pool: ModelPoolConfig, checkpoint: str, shape: RequestShape) ->
             raise ConfigError(
                 f"model_pool.max_model_len {length} is too short for one request of this run: "
                 f"{shape.describe()} need at least {shape.least_tokens()} tokens; raise it or "
-                "lower runner.history_images / model.max_pixels")
+                "lower agent.history_images / agent.max_pixels")
     else:
         length = shape.budget()
         if limit is not None and length > limit:
@@ -125,7 +125,7 @@ def _vision_args(pool: ModelPoolConfig, checkpoint: str, shape: RequestShape) ->
                 raise ConfigError(
                     f"checkpoint {checkpoint} takes at most {limit} tokens, and a request of "
                     f"this run ({shape.describe()}) needs up to {length}: lower "
-                    "runner.history_images, model.max_pixels or model.sampling.max_tokens")
+                    "agent.history_images, agent.max_pixels or model.sampling.max_tokens")
             log.warning("checkpoint %s takes at most %d tokens: --max-model-len %d, less than "
                         "the %d a full history of %s could need", checkpoint, limit, limit,
                         length, shape.describe())

@@ -1,5 +1,5 @@
 """The tool-calling agent of text episodes, as pure functions the episode loop
-(``trajectory_runner.py``) strings together: the first messages of a task, the model's tool
+(cua_rollout/runtime/runner.py) strings together: the first messages of a task, the model's tool
 calls read from a reply, the messages that answer them, and the final answer.
 
 The conversation is OpenAI's chat with function tools, so any OpenAI-compatible server
@@ -28,32 +28,28 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rollout.config import TextConfig
 from cua_rollout.envs.contract import StepResult, ToolCall
-from cua_rollout.envs.tools import ToolSpec
+from cua_rollout.envs.tools import (
+    TOOL_FAILED,
+    TOOL_MALFORMED,
+    TOOL_OVER_LIMIT,
+    TOOL_UNKNOWN,
+    ToolSpec,
+)
 
 __all__ = [
     "ANSWER_TOOL",
     "SYSTEM_PROMPTS",
-    "TOOL_FAILED",
-    "TOOL_MALFORMED",
-    "TOOL_OK",
-    "TOOL_OVER_LIMIT",
-    "TOOL_UNKNOWN",
     "AgentCounts",
     "ReadReply",
+    "ToolAgent",
     "assistant_message",
     "final_answer",
     "first_messages",
     "read_reply",
     "tool_message",
 ]
-
-# StepResult.returncode of a tool call (the counts a result line keeps come from these).
-TOOL_OK = 0          # the tool ran; its output is the model's to read
-TOOL_FAILED = 1      # the tool refused or failed (bad values, a page that did not load ...)
-TOOL_MALFORMED = 2   # the arguments are not a JSON object
-TOOL_UNKNOWN = 3     # no tool of that name
-TOOL_OVER_LIMIT = 4  # past text.max_tool_calls_per_turn: not run
 
 ANSWER_TOOL = ToolSpec(
     name="answer",
@@ -216,3 +212,50 @@ def assistant_message(text: str, tool_calls: Sequence[ToolCall]) -> dict[str, An
 def tool_message(call: ToolCall, output: str) -> dict[str, Any]:
     """The answer to one call, as the model reads it."""
     return {"role": "tool", "tool_call_id": call.id, "name": call.name, "content": output}
+
+
+class ToolAgent:
+    """One text episode's tool-calling agent: the conversation (the mode's system prompt,
+    the question, every reply and tool output), the tools it offers the model, and what a
+    reply asks for (``read``). The episode loop runs the calls and hands back the results."""
+
+    name = "tool"
+
+    def __init__(self, cfg: TextConfig, mode: str) -> None:
+        self.cfg = cfg
+        self.system_prompt = cfg.system_prompt or SYSTEM_PROMPTS[mode]
+        self.messages: list[dict[str, Any]] = []
+        self.tools: list[dict[str, Any]] = []
+        self.counts = AgentCounts()
+
+    def start(self, question: str, tools: Sequence[ToolSpec]) -> None:
+        """The conversation of ``question`` with the environment's ``tools`` (and the answer
+        tool, unless ``text.final_answer_tool`` is off)."""
+        self.tools = [spec.openai() for spec in tools]
+        if self.cfg.final_answer_tool:
+            self.tools.append(ANSWER_TOOL.openai())
+        self.messages = first_messages(question, self.system_prompt)
+
+    def request(self) -> dict[str, Any]:
+        """The keyword arguments of the model request for the next turn."""
+        return {"tools": self.tools or None,
+                "tool_choice": self.cfg.tool_choice if self.tools else None}
+
+    def read(self, text: str, tool_calls: Sequence[Any] | None) -> ReadReply:
+        return read_reply(text, tool_calls, answer_tool=self.cfg.final_answer_tool)
+
+    def answered(self, text: str, reply: ReadReply) -> None:
+        """The reply that ends the episode joins the conversation (messages.json ends with
+        it)."""
+        self.messages.append(assistant_message(
+            text, [reply.answer_call] if reply.answer_call is not None else []))
+
+    def called(self, text: str, calls: Sequence[ToolCall],
+               results: dict[str, StepResult]) -> None:
+        """The reply and one tool message per call, answered in the order the model made
+        them; each call counted."""
+        self.messages.append(assistant_message(text, calls))
+        for call in calls:
+            result = results[call.id]
+            self.messages.append(tool_message(call, result.output))
+            self.counts.count(call.name, result)

@@ -1,0 +1,101 @@
+"""The agent contract and the agents by name.
+
+An agent plays one episode (vLLM's tool parsers and verl's agent loops have the same shape):
+it turns the observation and its history into a model request (``AgentRequest``: messages,
+the images they carry, a decoding grammar) and a reply into a ``Decision`` (the code to run
+and the terminal action). The episode loop (cua_rollout/runtime/runner.py) owns the model
+client, the environment, deadlines and records; the agent owns prompt, parser, code
+generation, grammar and terminal policy. Agents are registered by name (``agent.name``) and
+imported only when chosen.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, NamedTuple, Protocol
+
+from cua_rollout.config import AgentConfig
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.core.screenshot import Screenshot
+
+__all__ = ["AGENTS", "AgentRequest", "Decision", "DesktopAgent", "agent_class", "make_agent"]
+
+# name -> "module:Class"; the class is imported when its name is chosen.
+AGENTS: dict[str, str] = {
+    "uitars-1.5": "cua_rollout.agents.uitars.agent:UITars15Agent",
+    "uitars-1.0": "cua_rollout.agents.uitars.agent:UITars10Agent",
+}
+
+
+@dataclass(frozen=True)
+class AgentRequest:
+    """What an agent asks the model for one step."""
+
+    messages: list[dict[str, Any]]
+    screenshots: list[Screenshot]     # the request's images, in prompt order
+    image_tokens: int                 # placeholder tokens of each image (one screen size)
+    regex: str | None = None          # structured-output grammar every reply must match
+    # The context a server needs for this request, and why (checked by the model client).
+    least_tokens: tuple[int, str] | None = None
+
+
+class Decision(NamedTuple):
+    """What a reply makes the episode do: ``code`` to run first (None: nothing) and the
+    terminal action (``DONE``, ``FAIL``, ``WAIT`` or None to go on)."""
+
+    code: str | None
+    terminal: str | None
+
+    @property
+    def action(self) -> str | None:
+        """The step's ``action`` as traj.jsonl records it (OSWorld's: the code, then the
+        terminal action that ends the episode)."""
+        if self.code is None:
+            return self.terminal
+        if self.terminal in (None, "WAIT"):
+            return self.code
+        return f"{self.code}\n{self.terminal}"
+
+
+class DesktopAgent(Protocol):
+    """One episode's agent on a desktop."""
+
+    name: str
+    constrained: bool        # replies are sampled under ``AgentRequest.regex``
+    max_parse_retries: int   # re-asks after an unparseable reply before FAIL
+
+    def request(self, shot: Screenshot) -> AgentRequest:
+        """The request for the step that starts from ``shot``."""
+        ...
+
+    def parse(self, text: str, shot: Screenshot) -> Any:
+        """The reply's actions (an ``ActionParseError`` when it has none)."""
+        ...
+
+    def decide(self, parsed: Any | None) -> Decision:
+        """What the parsed reply (None: unparseable after every retry) makes the episode do."""
+        ...
+
+    def remember(self, shot: Screenshot, text: str) -> Screenshot | None:
+        """Add the step (its screenshot, the reply) to the history; returns a screenshot
+        that left the image window for good (its memory may go), if any."""
+        ...
+
+
+def agent_class(name: str) -> type[DesktopAgent]:
+    """The agent registered as ``name``, imported now."""
+    try:
+        module, _, attr = AGENTS[name].partition(":")
+    except KeyError:
+        raise ConfigError(f"agent.name: unknown agent {name!r} (known: "
+                          f"{', '.join(sorted(AGENTS))})") from None
+    cls: type[DesktopAgent] = getattr(importlib.import_module(module), attr)
+    return cls
+
+
+def make_agent(cfg: AgentConfig, *, instruction: str, max_tokens: int) -> DesktopAgent:
+    """A fresh agent of ``cfg.name`` for one episode of ``instruction``; ``max_tokens`` is
+    the sampling's reply budget (part of the context a request needs)."""
+    return agent_class(cfg.name)(cfg, instruction=instruction,  # type: ignore[call-arg]
+                                 max_tokens=max_tokens)
