@@ -527,7 +527,7 @@ def _run_row(row: _Row, desktops: SimWorld, sampler: _ProcessSampler, next_task:
     """Run one measurement; fills ``row``; returns the next unused task number."""
     import ray
 
-    from cua_rollout.cli.run import start_actors, stop_actors
+    from cua_rollout.runtime.launch import start_actors, stop_actors
     from cua_rollout.runtime.loader import TaskLoader
 
     s = row.setup

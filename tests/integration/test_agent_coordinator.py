@@ -17,9 +17,9 @@ import pytest
 import ray
 
 from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from cua_rollout.cli.run import Actors, start_actors, stop_actors
 from cua_rollout.config import Config, load_config
 from cua_rollout.core.http import ThreadedServer
+from cua_rollout.runtime.launch import Actors, start_actors, stop_actors
 from cua_rollout.runtime.loader import TaskLoader
 from tests.doubles.fake_openai import FakeOpenAIServer
 from tests.support import REPO_ROOT

@@ -428,12 +428,12 @@ def test_a_lease_must_outlive_everything_its_episode_does(tmp_path):
 def test_the_run_makes_paths_absolute_and_adds_the_task_folders_to_the_task_roots(tmp_path):
     """Review M5: upload_file may read the task set's own files (the folder of tasks.source,
     tasks.examples_dir) and the download cache, nothing else; run.py says which they are."""
-    import cua_rollout.cli.run as run
+    import cua_rollout.runtime.launch as launch
 
     (tmp_path / "osworld" / "examples").mkdir(parents=True)
     source = tmp_path / "osworld" / "test_all.json"
     source.write_text("{}")
-    cfg = run._absolute_paths(load_config(None, [
+    cfg = launch.absolute_paths(load_config(None, [
         f"tasks.source={source}", f"tasks.examples_dir={tmp_path / 'osworld' / 'examples'}",
         "desktops.download_cache_dir=cache"]))
     assert cfg.desktops.task_file_roots == [(tmp_path / "osworld" / "examples").resolve(),
