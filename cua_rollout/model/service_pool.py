@@ -1,7 +1,6 @@
 """The model client: model endpoints, their health, and the routing of chat generations to
-them over the wire format of ``cua_rollout.model.openai_protocol``. Screenshot data URLs are sent
-as they
-are (``RequestBody``), so megabytes of base64 are neither escaped again nor copied per request."""
+them over the wire format of ``cua_rollout.model.openai_protocol`` (whose ``RequestBody`` sends
+screenshot data URLs as they are, neither escaped again nor copied per request)."""
 
 from __future__ import annotations
 
@@ -14,9 +13,8 @@ import json
 import logging
 import random
 import time
-import uuid
 from collections import OrderedDict
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -27,12 +25,12 @@ from cua_rollout.config import ModelConfig, SamplingConfig, secret_from_env
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import ContextTooShort, ModelRequestError, ModelUnavailable
 from cua_rollout.core.http import error_text, redact_url, ssl_context
-from cua_rollout.core.screenshot import DataURL
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE
 from cua_rollout.model.openai_protocol import (
     CHAT_COMPLETIONS_PATH,
     HEALTH_PATH,
     MODELS_PATH,
+    RequestBody,
     chat_request_body,
     parse_chat_completion,
     served_card,
@@ -40,13 +38,11 @@ from cua_rollout.model.openai_protocol import (
 
 __all__ = [
     "ENDPOINTS_FILE",
-    "IMAGE_MARK",
     "Endpoint",
     "Generation",
     "LeastOutstandingPolicy",
     "ModelServicePool",
     "OutageStatus",
-    "RequestBody",
     "RoundRobinPolicy",
     "RoutingPolicy",
     "StickyLeastOutstandingPolicy",
@@ -687,64 +683,3 @@ def _endpoint_entries(state: Any) -> list[dict[str, Any]]:
             isinstance(e, dict) and isinstance(e.get("url"), str) for e in entries):
         raise ValueError("expected {\"endpoints\": [{\"url\": ...}, ...]}")
     return entries
-
-
-# Stands in for a data URL while the rest of a body is serialised; letters, digits and
-# underscores only, so JSON leaves it as it is, and random, so no prompt text contains it.
-IMAGE_MARK = f"cua_image_{uuid.uuid4().hex}_"
-
-
-class RequestBody:
-    """A request body as the pieces of ``json.dumps(body)``: the JSON text around the
-    ``DataURL`` strings of the messages' images, and those strings themselves, which JSON
-    escaping leaves unchanged. Serialising them again would cost ~1 ms per 500 KB image per
-    request, and joining the pieces would hold a copy of every image for as long as the
-    request waits for the model. The bytes sent are exactly ``json.dumps(body).encode()``;
-    each image is encoded (ASCII, a plain copy) only while it is being sent, and the body can
-    be sent again for a retry."""
-
-    def __init__(self, body: dict[str, Any]) -> None:
-        urls: list[DataURL] = []
-        text = json.dumps({**body, "messages": _mark_images(body["messages"], urls)})
-        parts = text.split(IMAGE_MARK) if urls else [text]
-        if len(parts) != 2 * len(urls) + 1:  # the mark occurs elsewhere: serialise it all
-            self._pieces: list[bytes | DataURL] = [json.dumps(body).encode()]
-        else:
-            # parts: text, index, text, index, ..., text (the marks are "<IMAGE_MARK>i<IMAGE_MARK>")
-            self._pieces = [parts[0].encode()]
-            for i, url in enumerate(urls):
-                if parts[2 * i + 1] != str(i):
-                    self._pieces = [json.dumps(body).encode()]
-                    break
-                self._pieces += [url, parts[2 * i + 2].encode()]
-        self.length = sum(len(p) for p in self._pieces)  # a DataURL is ASCII: 1 byte a char
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        for piece in self._pieces:
-            yield piece.encode("ascii") if isinstance(piece, str) else piece
-
-    def __bytes__(self) -> bytes:
-        return b"".join(p.encode("ascii") if isinstance(p, str) else p for p in self._pieces)
-
-
-def _mark_images(messages: list[dict[str, Any]], urls: list[DataURL]) -> list[Any]:
-    """``messages`` with each ``DataURL`` image replaced by a numbered mark (appended to
-    ``urls``); everything else is shared with the caller's messages, not copied."""
-    out: list[Any] = []
-    for message in messages:
-        content = message.get("content") if isinstance(message, dict) else None
-        if not isinstance(content, list):
-            out.append(message)
-            continue
-        parts: list[Any] = []
-        for part in content:
-            image = part.get("image_url") if isinstance(part, dict) else None
-            url = image.get("url") if isinstance(image, dict) else None
-            if type(url) is DataURL:
-                mark = f"{IMAGE_MARK}{len(urls)}{IMAGE_MARK}"
-                parts.append({**part, "image_url": {**image, "url": mark}})
-                urls.append(url)
-            else:
-                parts.append(part)
-        out.append({**message, "content": parts})
-    return out
