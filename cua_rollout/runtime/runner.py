@@ -61,7 +61,7 @@ from cua_rollout.core.vision import IMAGE_WRAPPER_TOKENS, image_tokens
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv, StepResult
 from cua_rollout.evaluation import Evaluator
-from cua_rollout.model.service_pool import Generation, ModelServicePool
+from cua_rollout.model.client import Generation, ModelServicePool
 from cua_rollout.runtime.monitoring import Metrics
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter
