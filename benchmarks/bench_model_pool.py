@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from cua_rollout.config import ModelConfig, SamplingConfig  # noqa: E402
-from cua_rollout.model.service_pool import ENDPOINTS_FILE, ModelServicePool  # noqa: E402
+from cua_rollout.model.client import ModelServicePool  # noqa: E402
+from cua_rollout.model.fleet.state import ENDPOINTS_FILE  # noqa: E402
 from tests.doubles.fake_openai import FakeOpenAIServer  # noqa: E402
 
 
@@ -143,9 +144,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.httpx:
         import httpx
 
-        import cua_rollout.model.service_pool as model_service_pool
+        import cua_rollout.model.client as model_client
+        import cua_rollout.model.discovery as model_discovery
 
-        model_service_pool.httpx2 = httpx  # same API; a comparison, not the shipped client
+        # Same API; a comparison, not the shipped client (both modules open HTTP clients).
+        model_client.httpx2 = httpx
+        model_discovery.httpx2 = httpx
     if args.serve_fakes:
         _serve_fakes(args.servers, args.latency_s)
         return 0

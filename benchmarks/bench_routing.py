@@ -37,7 +37,7 @@ from cua_rollout.agents.uitars import parse_response  # noqa: E402
 from cua_rollout.agents.uitars.prompt import Turn, build_messages  # noqa: E402
 from cua_rollout.config import ModelConfig, SamplingConfig  # noqa: E402
 from cua_rollout.core.screenshot import Screenshot  # noqa: E402
-from cua_rollout.model.service_pool import ModelServicePool  # noqa: E402
+from cua_rollout.model.client import ModelServicePool  # noqa: E402
 
 POLICIES = ("round_robin", "least_outstanding", "sticky_least_outstanding")
 SPEED_FACTORS = (1.0, 1.0, 1.0, 2.0)  # the last endpoint is twice as slow

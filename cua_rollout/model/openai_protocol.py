@@ -1,16 +1,20 @@
 """The OpenAI chat-completions wire protocol, defined once for the model client and every server
-here (paths; request, reply and error models): the client sends ``chat_request_body`` and reads
-``parse_chat_completion``; servers read ``parse_chat_request``, answer ``completion_body``."""
+here (paths; request, reply and error models): the client sends ``chat_request_body`` (encoded
+by ``RequestBody``) and reads ``parse_chat_completion``; servers read ``parse_chat_request``,
+answer ``completion_body``."""
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cua_rollout.core.screenshot import DataURL
 
 if TYPE_CHECKING:
     from cua_rollout.config import SamplingConfig
@@ -18,6 +22,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CHAT_COMPLETIONS_PATH",
     "HEALTH_PATH",
+    "IMAGE_MARK",
     "MODELS_PATH",
     "ChatCompletion",
     "ChatMessage",
@@ -30,6 +35,7 @@ __all__ = [
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",
+    "RequestBody",
     "TokenLogprob",
     "ToolCallWire",
     "Usage",
@@ -41,7 +47,6 @@ __all__ = [
     "parse_chat_completion",
     "parse_chat_request",
     "served_card",
-    "served_context",
 ]
 
 CHAT_COMPLETIONS_PATH = "/v1/chat/completions"
@@ -109,6 +114,67 @@ def chat_request_body(
         if tool_choice is not None:
             body["tool_choice"] = tool_choice
     return body
+
+
+# Stands in for a data URL while the rest of a body is serialised; letters, digits and
+# underscores only, so JSON leaves it as it is, and random, so no prompt text contains it.
+IMAGE_MARK = f"cua_image_{uuid.uuid4().hex}_"
+
+
+class RequestBody:
+    """A request body as the pieces of ``json.dumps(body)``: the JSON text around the
+    ``DataURL`` strings of the messages' images, and those strings themselves, which JSON
+    escaping leaves unchanged. Serialising them again would cost ~1 ms per 500 KB image per
+    request, and joining the pieces would hold a copy of every image for as long as the
+    request waits for the model. The bytes sent are exactly ``json.dumps(body).encode()``;
+    each image is encoded (ASCII, a plain copy) only while it is being sent, and the body can
+    be sent again for a retry."""
+
+    def __init__(self, body: dict[str, Any]) -> None:
+        urls: list[DataURL] = []
+        text = json.dumps({**body, "messages": _mark_images(body["messages"], urls)})
+        parts = text.split(IMAGE_MARK) if urls else [text]
+        if len(parts) != 2 * len(urls) + 1:  # the mark occurs elsewhere: serialise it all
+            self._pieces: list[bytes | DataURL] = [json.dumps(body).encode()]
+        else:
+            # parts: text, index, text, index, ..., text (the marks are "<IMAGE_MARK>i<IMAGE_MARK>")
+            self._pieces = [parts[0].encode()]
+            for i, url in enumerate(urls):
+                if parts[2 * i + 1] != str(i):
+                    self._pieces = [json.dumps(body).encode()]
+                    break
+                self._pieces += [url, parts[2 * i + 2].encode()]
+        self.length = sum(len(p) for p in self._pieces)  # a DataURL is ASCII: 1 byte a char
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        for piece in self._pieces:
+            yield piece.encode("ascii") if isinstance(piece, str) else piece
+
+    def __bytes__(self) -> bytes:
+        return b"".join(p.encode("ascii") if isinstance(p, str) else p for p in self._pieces)
+
+
+def _mark_images(messages: list[dict[str, Any]], urls: list[DataURL]) -> list[Any]:
+    """``messages`` with each ``DataURL`` image replaced by a numbered mark (appended to
+    ``urls``); everything else is shared with the caller's messages, not copied."""
+    out: list[Any] = []
+    for message in messages:
+        content = message.get("content") if isinstance(message, dict) else None
+        if not isinstance(content, list):
+            out.append(message)
+            continue
+        parts: list[Any] = []
+        for part in content:
+            image = part.get("image_url") if isinstance(part, dict) else None
+            url = image.get("url") if isinstance(image, dict) else None
+            if type(url) is DataURL:
+                mark = f"{IMAGE_MARK}{len(urls)}{IMAGE_MARK}"
+                parts.append({**part, "image_url": {**image, "url": mark}})
+                urls.append(url)
+            else:
+                parts.append(part)
+        out.append({**message, "content": parts})
+    return out
 
 
 def parse_chat_request(body: Any) -> ChatRequest:
@@ -340,13 +406,6 @@ def served_card(body: bytes | str, model: str) -> ModelCard | None:
     except ValidationError:
         return None
     return next((c for c in cards if c.id == model), cards[0] if len(cards) == 1 else None)
-
-
-def served_context(body: bytes | str, model: str) -> int | None:
-    """From a ``GET /v1/models`` reply: the context length (vLLM's ``max_model_len``) of
-    ``model``, else of the only model served; None when the server does not say."""
-    card = served_card(body, model)
-    return card.max_model_len if card is not None else None
 
 
 class ModelList(_Wire):

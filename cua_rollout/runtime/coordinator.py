@@ -594,7 +594,7 @@ class AgentCoordinator:
     async def _probe(self, side: str) -> tuple[bool, str]:
         if side == "model":
             if self._model_probe is None:
-                from cua_rollout.model.service_pool import ModelServicePool
+                from cua_rollout.model.client import ModelServicePool
 
                 state = Path(self.model_state_dir) if self.model_state_dir else None
                 self._model_probe = ModelServicePool(self.cfg.model, state)

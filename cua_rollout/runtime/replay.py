@@ -38,7 +38,7 @@ from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.evaluation import Evaluator, evaluate
 
 if TYPE_CHECKING:
-    from cua_rollout.model.service_pool import ModelServicePool
+    from cua_rollout.model.client import ModelServicePool
     from cua_rollout.runtime.pool import DesktopPool
 
 __all__ = ["changed_pixels", "play", "run_concurrently", "score", "settle", "with_upload_root"]

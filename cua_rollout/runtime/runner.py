@@ -55,7 +55,7 @@ from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv, StepResult
 from cua_rollout.envs.tools import TOOL_MALFORMED, TOOL_OVER_LIMIT
 from cua_rollout.evaluation import Evaluator
-from cua_rollout.model.service_pool import Generation, ModelServicePool
+from cua_rollout.model.client import Generation, ModelServicePool
 from cua_rollout.runtime.monitoring import Metrics
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter

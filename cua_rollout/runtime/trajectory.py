@@ -10,7 +10,7 @@ from typing import Any
 
 from cua_rollout.agents.uitars import Action, ParsedResponse
 from cua_rollout.core.screenshot import Screenshot
-from cua_rollout.model.service_pool import Generation
+from cua_rollout.model.client import Generation
 
 __all__ = ["ScreenshotFiles", "action_dict", "discarded_generation", "image_spans",
            "step_record", "text_step_record", "tool_call_record"]

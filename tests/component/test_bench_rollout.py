@@ -14,7 +14,7 @@ import pytest
 from benchmarks import bench_rollout
 from cua_rollout.agents.uitars.prompt import Turn, build_messages
 from cua_rollout.core.screenshot import DataURL, Screenshot
-from cua_rollout.model.service_pool import IMAGE_MARK, RequestBody
+from cua_rollout.model.openai_protocol import IMAGE_MARK, RequestBody
 from cua_rollout.runtime.storage import PART_BYTES, png_parts
 
 

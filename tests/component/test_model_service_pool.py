@@ -13,7 +13,9 @@ import pytest
 
 from cua_rollout.config import ModelConfig, ModelPoolConfig, SamplingConfig
 from cua_rollout.core.errors import ContextTooShort, ModelRequestError, ModelUnavailable
+from cua_rollout.model.client import ModelServicePool
 from cua_rollout.model.fleet.control import ENDPOINTS_PATH, ControlServer
+from cua_rollout.model.fleet.state import ENDPOINTS_FILE
 from cua_rollout.model.openai_protocol import (
     ChatReply,
     ChatRequest,
@@ -23,7 +25,6 @@ from cua_rollout.model.openai_protocol import (
     parse_chat_completion,
     parse_chat_request,
 )
-from cua_rollout.model.service_pool import ENDPOINTS_FILE, ModelServicePool
 from tests.doubles.fake_openai import FakeOpenAIServer
 
 MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]

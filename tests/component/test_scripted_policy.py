@@ -17,8 +17,8 @@ from cua_rollout.config import ModelConfig
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.screenshot import Screenshot
+from cua_rollout.model.client import ModelServicePool
 from cua_rollout.model.openai_protocol import ChatCompletion, ErrorReply, parse_chat_completion
-from cua_rollout.model.service_pool import ModelServicePool
 
 SOLUTION = [
     "Thought: Open the editor.\nAction: click(start_box='(100,200)')",

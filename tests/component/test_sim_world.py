@@ -33,7 +33,7 @@ from cua_rollout.core.vision import smart_resize
 from cua_rollout.envs.client import RemoteDesktopEnv, close_shared_client
 from cua_rollout.envs.providers import Desktop
 from cua_rollout.envs.providers.static import StaticProvider
-from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.model.client import ModelServicePool
 
 ACTION_S = 0.2
 RESET_S = 0.3

@@ -21,7 +21,7 @@ from cua_rollout.config import load_config
 from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.types import DONE
 from cua_rollout.envs.client import RemoteDesktopEnv
-from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.model.client import ModelServicePool
 from cua_rollout.runtime.pool import DesktopPool
 from cua_rollout.runtime.replay import GIVE_UP, NOTHING, play, run_concurrently, score
 from tests.support import REPO_ROOT

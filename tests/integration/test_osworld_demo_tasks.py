@@ -24,7 +24,7 @@ from cua_rollout.core.http import ThreadedServer
 from cua_rollout.envs.setup_steps import step_problem
 from cua_rollout.evaluation import Evaluator, route_problem
 from cua_rollout.evaluation.preflight import TaskChecker
-from cua_rollout.model.service_pool import ModelServicePool
+from cua_rollout.model.client import ModelServicePool
 from cua_rollout.runtime.pool import DesktopPool
 from cua_rollout.runtime.replay import NOTHING, play, run_concurrently, with_upload_root
 from tests.support import REPO_ROOT, unavailable

@@ -27,6 +27,7 @@ import pytest
 
 from cua_rollout.config import ModelConfig, ModelPoolConfig, SamplingConfig
 from cua_rollout.core.errors import ConfigError, ModelRequestError, ModelUnavailable
+from cua_rollout.model.client import Generation, ModelServicePool
 from cua_rollout.model.fleet.checkpoints import (
     checkpoint_version,
     newest_checkpoint,
@@ -46,7 +47,6 @@ from cua_rollout.model.fleet.replica_api import parse_vllm_load
 from cua_rollout.model.fleet.state import CONTROL_FILE, ENDPOINTS_FILE, write_state
 from cua_rollout.model.fleet.supervisor import ReloadOutcome, ReloadRefusal, restart_delay_s
 from cua_rollout.model.server_metrics import ServerMetricsScraper
-from cua_rollout.model.service_pool import Generation, ModelServicePool
 from tests.support import REPO_ROOT, unavailable
 
 ROOT = REPO_ROOT

@@ -41,9 +41,9 @@ from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import SCORED_STATUSES, Status
 from cua_rollout.core.vision import IMAGE_WRAPPER_TOKENS, image_tokens, smart_resize
+from cua_rollout.model.client import ModelServicePool
 from cua_rollout.model.fleet.child import PoolChild
 from cua_rollout.model.fleet.launch import RequestShape
-from cua_rollout.model.service_pool import ModelServicePool
 from cua_rollout.training import TrainingIndex, default_url, export
 from tests.support import REPO_ROOT, require_vlm_serving
 
