@@ -34,8 +34,9 @@ from cua_rollout.core.errors import ConfigError, one_line
 from cua_rollout.core.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
 from cua_rollout.model.fleet.state import fleet_summary
 from cua_rollout.model.server_metrics import ServerMetricsScraper
+from cua_rollout.runtime.episode import episode_deadline_s
 from cua_rollout.runtime.monitoring import Metrics
-from cua_rollout.runtime.runner import TrajectoryRunner, episode_deadline_s
+from cua_rollout.runtime.runner import TrajectoryRunner
 from cua_rollout.runtime.utilization import UtilizationTracker
 
 __all__ = ["AgentCoordinator"]

@@ -5,6 +5,7 @@ modules stay theirs; the command answers ``--help`` without the heavy dependenci
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import sys
 import venv
@@ -28,9 +29,15 @@ def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_the_wheel_installs_one_package_and_a_command(tmp_path):
+    # Built from a copy of what the build reads: setuptools writes build/ next to its source.
+    source = tmp_path / "source"
+    shutil.copytree(REPO_ROOT / "cua_rollout", source / "cua_rollout",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    for name in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO_ROOT / name, source / name)
     wheels = tmp_path / "wheels"
     built = _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation",
-                  "--no-index", "-q", "-w", str(wheels), str(REPO_ROOT)], cwd=tmp_path)
+                  "--no-index", "-q", "-w", str(wheels), str(source)], cwd=tmp_path)
     assert built.returncode == 0, built.stderr[-2000:]
     (wheel,) = wheels.glob("cua_rollout-*.whl")
     env = tmp_path / "venv"

@@ -926,14 +926,14 @@ def test_viewer_renders_a_text_episodes_turns_and_tool_calls(text_a, tmp_path):
     assert "<img" not in index
 
 
-def test_viewer_names_the_agents_tool_return_codes():
-    from cua_rollout.text import agent
+def test_viewer_names_the_tool_return_codes():
+    from cua_rollout.envs import tools
 
     assert set(view_trajectory._TOOL_RETURNCODES) == {
-        agent.TOOL_FAILED, agent.TOOL_MALFORMED, agent.TOOL_UNKNOWN, agent.TOOL_OVER_LIMIT}
-    assert agent.TOOL_OK == 0
-    assert view_trajectory._TOOL_RETURNCODES[agent.TOOL_MALFORMED].startswith("arguments not")
-    assert view_trajectory._TOOL_RETURNCODES[agent.TOOL_UNKNOWN] == "unknown tool"
+        tools.TOOL_FAILED, tools.TOOL_MALFORMED, tools.TOOL_UNKNOWN, tools.TOOL_OVER_LIMIT}
+    assert tools.TOOL_OK == 0
+    assert view_trajectory._TOOL_RETURNCODES[tools.TOOL_MALFORMED].startswith("arguments not")
+    assert view_trajectory._TOOL_RETURNCODES[tools.TOOL_UNKNOWN] == "unknown tool"
 
 
 def test_viewer_a_task_config_without_the_reference(text_a, tmp_path):

@@ -17,7 +17,7 @@ from cua_rollout.core.errors import (
     UnsupportedSetupStep,
 )
 from cua_rollout.core.types import STATUSES, EpisodeSpec, infra_result
-from cua_rollout.runtime.runner import episode_error
+from cua_rollout.runtime.episode import episode_error
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
