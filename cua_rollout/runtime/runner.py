@@ -1,4 +1,4 @@
-"""One episode's loop (DESIGN.md "One step, as data") and the async runner that holds many.
+"""One episode's loop (each step: observe, ask the model, act) and the async runner holding many.
 
 ``TrajectoryRunner`` runs as an async Ray actor (``ray.remote(TrajectoryRunner)``) or
 in-process; each episode is a coroutine: lease a desktop, run the task's setup, then
