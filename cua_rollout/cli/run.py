@@ -119,11 +119,10 @@ def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
     """Serve the scripted policy from this process; returns its URL."""
     from cua_rollout.agents.scripted_policy import (
         ScriptedPolicy,
-        create_app,
         load_solutions,
         load_text_solutions,
+        scripted_server,
     )
-    from cua_rollout.core.http import ThreadedServer
     from cua_rollout.runtime.loader import load_benchmark
 
     roots: list[Path] = []
@@ -149,8 +148,8 @@ def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
         import ray
 
         host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
-    server = ThreadedServer(create_app(policy, latency_s=cfg.model.scripted_latency_s,
-                                       model_name=cfg.model.name), host=host)
+    server = scripted_server(policy, latency_s=cfg.model.scripted_latency_s,
+                             model_name=cfg.model.name, host=host)
     server.start()
     stack.callback(server.stop)
     return server.url
