@@ -63,14 +63,15 @@ from cua_rollout.desktop.protocol import (  # noqa: E402
 )
 from cua_rollout.model.openai_protocol import (  # noqa: E402
     CHAT_COMPLETIONS_PATH,
-    HEALTH_PATH,
-    MODELS_PATH,
     chat_request_body,
-    completion_json,
-    error_body,
-    models_body,
 )
-from cua_rollout.model.server_metrics import vllm_metrics_text  # noqa: E402
+from cua_rollout.model.openai_server import (  # noqa: E402
+    ChatCall,
+    Completion,
+    HttpReply,
+    OpenAIServer,
+    json_reply,
+)
 
 RESET_COMMAND = ["sim-reset"]
 """The ``desktops.static.reset_command`` a sim desktop recognises on ``/execute`` as a reset."""
@@ -376,26 +377,18 @@ def make_screenshot(seed: int, width: int = 1920, height: int = 1080, rich: bool
 # --------------------------------------------------------------------------- HTTP core
 
 
-class _Reply(NamedTuple):
-    status: int
-    body: bytes
-    content_type: bytes = b"application/json"
-    delay_s: float = 0.0
-    done: Callable[[], None] | None = None  # called when the reply is written (or dropped)
-
-
 _REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 431: b"Too Large",
             500: b"Internal Server Error"}
 
 
 class _App(abc.ABC):
-    """What a connection serves: ``app(method, path, body) -> _Reply``, and a count of the
-    connections made to it (a client that does not keep its connections alive shows)."""
+    """What a connection serves: ``app.handle(method, path, body) -> HttpReply``, and a count
+    of the connections made to it (a client that does not keep its connections alive shows)."""
 
     connections = 0
 
     @abc.abstractmethod
-    def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
+    def handle(self, method: bytes, path: bytes, body: bytes | bytearray) -> HttpReply:
         """(each server kind defines it)"""
 
     @abc.abstractmethod
@@ -407,12 +400,12 @@ class _App(abc.ABC):
         """(each server kind defines it)"""
 
     # The benchmark's own routes, the same on every sim server.
-    def _control(self, method: bytes, path: bytes) -> _Reply:
+    def _control(self, method: bytes, path: bytes) -> HttpReply:
         if path == b"/_sim/stats":
-            return _json_reply(self.stats())
+            return json_reply(self.stats())
         if path == b"/_sim/reset" and method == b"POST":
             self.reset_stats()
-            return _json_reply({"ok": True})
+            return json_reply({"ok": True})
         return _NOT_FOUND
 
 
@@ -464,12 +457,12 @@ class _Connection(asyncio.BufferedProtocol):
             end = head.find(b"\r\n\r\n", 0, self._filled)
             if end < 0:
                 if self._filled == len(head):
-                    self._write(_Reply(431, b'{"error": "request head too large"}'), False)
+                    self._write(HttpReply(431, b'{"error": "request head too large"}'), False)
                 return
             try:
                 method, path, length, keep_alive = _parse_head(bytes(head[:end]))
             except ValueError as exc:
-                self._write(_Reply(400, json.dumps({"error": str(exc)}).encode()), False)
+                self._write(HttpReply(400, json.dumps({"error": str(exc)}).encode()), False)
                 return
             start = end + 4
             available = self._filled - start
@@ -490,19 +483,22 @@ class _Connection(asyncio.BufferedProtocol):
     def _dispatch(self, method: bytes, path: bytes, keep_alive: bool,
                   body: bytes | bytearray) -> None:
         try:
-            reply = self._app(method, path, body)
+            reply = self._app.handle(method, path, body)
         except Exception as exc:  # a bug or a bad body: answered as the real servers do
-            reply = _Reply(500, json.dumps({"status": "error", "message": repr(exc)}).encode())
+            reply = HttpReply(500, json.dumps({"status": "error", "message": repr(exc)}).encode())
         if reply.delay_s > 0:
             asyncio.get_running_loop().call_later(reply.delay_s, self._write, reply, keep_alive)
         else:
             self._write(reply, keep_alive)
 
-    def _write(self, reply: _Reply, keep_alive: bool) -> None:
+    def _write(self, reply: HttpReply, keep_alive: bool) -> None:
         if reply.done is not None:
             reply.done()
         t = self._transport
         if t is None or t.is_closing():
+            return
+        if reply.drop:
+            t.close()
             return
         head = b"HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\n%s\r\n" % (
             reply.status, _REASONS.get(reply.status, b"Error"), reply.content_type,
@@ -517,11 +513,7 @@ class _Connection(asyncio.BufferedProtocol):
             t.close()
 
 
-def _json_reply(obj: Any, status: int = 200) -> _Reply:
-    return _Reply(status, json.dumps(obj).encode())
-
-
-_NOT_FOUND = _Reply(404, b'{"error": "not found"}')
+_NOT_FOUND = HttpReply(404, b'{"error": "not found"}')
 
 
 def _parse_head(head: bytes) -> tuple[bytes, bytes, int, bool]:
@@ -622,7 +614,7 @@ class DesktopsApp(_App):
             "elapsed_s": time.monotonic() - self.started_at,
         }
 
-    def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
+    def handle(self, method: bytes, path: bytes, body: bytes | bytearray) -> HttpReply:
         parts = path.split(b"/", 3)  # b"", b"d", index, endpoint
         if len(parts) < 4 or parts[1] != b"d":
             return self._control(method, path)
@@ -645,36 +637,36 @@ class DesktopsApp(_App):
     def _release(self, index: int) -> None:
         self.busy[index] -= 1
 
-    def _route(self, endpoint: bytes, body: bytes | bytearray) -> tuple[str, _Reply]:
+    def _route(self, endpoint: bytes, body: bytes | bytearray) -> tuple[str, HttpReply]:
         cfg, rng = self.cfg, self._rng
         if endpoint == _EP.SCREENSHOT:
             shot = self._shots[self._next_shot % len(self._shots)]
             self._next_shot += 1
-            return "screenshot", _Reply(200, shot, b"image/png",
+            return "screenshot", HttpReply(200, shot, b"image/png",
                                         cfg.screenshot_latency.draw(rng))
         if endpoint == _EP.EXECUTE:
             if any(marker in body for marker in self._reset_json) and self._is_reset(body):
-                return "reset", _Reply(200, _EXECUTE_OK, delay_s=cfg.reset_latency.draw(rng))
-            return "action", _Reply(200, _EXECUTE_OK, delay_s=cfg.action_latency.draw(rng))
+                return "reset", HttpReply(200, _EXECUTE_OK, delay_s=cfg.reset_latency.draw(rng))
+            return "action", HttpReply(200, _EXECUTE_OK, delay_s=cfg.action_latency.draw(rng))
         if endpoint == _EP.SCREEN_SIZE:
-            return "health", _Reply(200, self._screen_size)
+            return "health", HttpReply(200, self._screen_size)
         if endpoint.startswith(_EP.SETUP_PREFIX):
             delay = cfg.setup_latency.draw(rng)
             if endpoint == _EP.SETUP_EXECUTE:
-                return "setup", _Reply(200, _EXECUTE_OK, delay_s=delay)
-            return "setup", _Reply(200, b"ok", b"text/plain", delay)
+                return "setup", HttpReply(200, _EXECUTE_OK, delay_s=delay)
+            return "setup", HttpReply(200, b"ok", b"text/plain", delay)
         if endpoint == _EP.CURSOR_POSITION:
-            return "query", _Reply(200, self._cursor)
+            return "query", HttpReply(200, self._cursor)
         if endpoint == _EP.PLATFORM:
-            return "query", _Reply(200, b"Linux", b"text/plain")
+            return "query", HttpReply(200, b"Linux", b"text/plain")
         if endpoint == _EP.RUN_PYTHON:
-            return "query", _Reply(200, _RUN_PYTHON_OK)
+            return "query", HttpReply(200, _RUN_PYTHON_OK)
         if endpoint == _EP.TERMINAL:
-            return "query", _Reply(200, _TERMINAL_OK)
+            return "query", HttpReply(200, _TERMINAL_OK)
         if endpoint == _EP.ACCESSIBILITY:
-            return "query", _Reply(200, _ACCESSIBILITY_OK)
+            return "query", HttpReply(200, _ACCESSIBILITY_OK)
         if endpoint == _EP.FILE:
-            return "query", _Reply(404, _FILE_NOT_FOUND)
+            return "query", HttpReply(404, _FILE_NOT_FOUND)
         return "unknown", _NOT_FOUND
 
     @staticmethod
@@ -687,34 +679,25 @@ class DesktopsApp(_App):
 # --------------------------------------------------------------------------- model servers
 
 
-_CHAT_PATH = CHAT_COMPLETIONS_PATH.encode()
-_MODELS_PATH = MODELS_PATH.encode()
-_HEALTH_PATH = HEALTH_PATH.encode()
-_METRICS_PATH = b"/metrics"
-
-
-class ModelApp(_App):
-    """One OpenAI-compatible server of the sim (``index`` picks its speed factor): requests are
-    read from their raw bytes (``summarize_request``), replies are
-    ``cua_rollout.model.openai_protocol``'s."""
+class ModelApp(OpenAIServer, _App):
+    """One OpenAI-compatible server of the sim (``index`` picks its speed factor):
+    ``cua_rollout.model.openai_server`` with the sim's latency model as its policy; requests
+    are read from their raw bytes (``summarize_request``), never decoded whole."""
 
     def __init__(self, cfg: ModelSim, index: int) -> None:
+        # Past ``capacity`` requests wait (a real server's batch is full): /metrics says so.
+        super().__init__(model=cfg.model, owned_by="sim", max_model_len=65536, root=cfg.model,
+                         capacity=cfg.capacity)
         self.cfg = cfg
         self.index = index
         self.speed_factor = cfg.speed_factor(index)
         h, w = smart_resize(cfg.screen_height, cfg.screen_width)
         self._image_tokens = h * w // _TOKENS_PER_PATCH
-        self._models = json.dumps(
-            models_body(cfg.model, owned_by="sim", max_model_len=65536, root=cfg.model)
-        ).encode()
-        self.in_flight = 0  # state, not a stat: requests answered after a reset still leave
-        # vLLM's /metrics counters: never reset (Prometheus counters only go up).
-        self.served = {"prompt": 0, "generation": 0, "finished": 0, "inference_s": 0.0,
-                       "started": 0}
         self.reset_stats()
 
     def reset_stats(self) -> None:
         self.requests = 0
+        # in_flight is state, not a stat: requests answered after a reset still leave.
         self.max_in_flight = self.in_flight
         self.connections = 0
         self.finished = 0
@@ -740,37 +723,18 @@ class ModelApp(_App):
             "sessions": self.sessions,
         }
 
-    def __call__(self, method: bytes, path: bytes, body: bytes | bytearray) -> _Reply:
-        if path == _CHAT_PATH and method == b"POST":
-            return self._chat(body)
-        if path == _HEALTH_PATH:
-            return _Reply(200, b"", b"text/plain")
-        if path == _MODELS_PATH:
-            return _Reply(200, self._models)
-        if path == _METRICS_PATH:
-            return self._metrics()
-        return self._control(method, path)
+    def handle(self, method: bytes, path: bytes, body: bytes | bytearray,
+               headers: dict[str, str] | None = None) -> HttpReply:
+        if path.startswith(b"/_sim/"):
+            return self._control(method, path)
+        return super().handle(method, path, body, headers)
 
-    def _metrics(self) -> _Reply:
-        """vLLM's figures of this server: past ``capacity`` requests wait (a real server's
-        batch is full), the slowdown of the sim aside; no queue time (the sim does not
-        queue), inference time as each request's simulated latency."""
-        served, capacity = self.served, self.cfg.capacity
-        text = vllm_metrics_text(
-            model_name=self.cfg.model, running=min(self.in_flight, capacity),
-            waiting=max(0, self.in_flight - capacity),
-            prompt_tokens_total=served["prompt"], generation_tokens_total=served["generation"],
-            requests_finished_total=served["finished"],
-            queue_time_s=(0.0, served["started"]),
-            inference_time_s=(served["inference_s"], served["started"]))
-        return _Reply(200, text.encode(), b"text/plain; version=0.0.4")
-
-    def _chat(self, body: bytes | bytearray) -> _Reply:
+    def answer(self, call: ChatCall) -> Completion:
         cfg = self.cfg
         try:
-            req = summarize_request(body)
+            req = summarize_request(call.body)
         except (ValueError, AttributeError, TypeError) as exc:
-            return _json_reply(error_body(400, f"bad request: {exc}"), 400)
+            raise ValueError(f"bad request: {exc}") from exc
         # A long episode's oldest replies drop out of the request (history_texts): the step
         # number the last reply carried keeps counting past that.
         step = req.assistant_turns
@@ -781,8 +745,6 @@ class ModelApp(_App):
         text_tokens = prompt - req.images * self._image_tokens
         cached = self._cached(req.instruction, prompt, req.images, text_tokens)
         self.requests += 1
-        self.in_flight += 1
-        self.max_in_flight = max(self.max_in_flight, self.in_flight)
         self.full_parses += req.full_parse
         self.prompt_tokens += prompt
         self.cached_tokens += cached
@@ -794,25 +756,17 @@ class ModelApp(_App):
             cfg.base_latency_s + cfg.prefill_s_per_1k_tokens * (prompt - cached) / 1000
             + cfg.per_token_s * completion
         )
+        # in_flight counts this request already (the server counts it before asking).
         delay = service * max(1.0, self.in_flight / cfg.capacity)
         self.service_s += delay
-        served = self.served
-        served["prompt"] += prompt
-        served["generation"] += completion
-        served["started"] += 1
-        served["inference_s"] += delay
-        reply = completion_json(
-            text, model=cfg.model, completion_id=f"chatcmpl-sim-{self.index}-{self.requests}",
+        return Completion(
+            text, completion_id=f"chatcmpl-sim-{self.index}-{self.requests}",
             prompt_tokens=prompt, completion_tokens=completion, cached_tokens=cached,
             logprobs=[(w, -0.1) for w in text.split()[:completion]] if req.logprobs else None,
             token_ids=list(range(completion)) if req.return_token_ids else None,
             prompt_token_ids=list(range(prompt)) if req.return_token_ids else None,
+            delay_s=delay,
         )
-        return _Reply(200, reply, delay_s=delay, done=self._done)
-
-    def _done(self) -> None:
-        self.in_flight -= 1
-        self.served["finished"] += 1
 
     def _cached(self, session: str, prompt: int, images: int, text_tokens: int) -> int:
         """Prompt tokens found in this server's prefix cache for this session's request."""

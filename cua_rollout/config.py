@@ -351,7 +351,8 @@ class ModelPoolConfig(_Section):
     """Longest wait for in-flight requests before a replica is reloaded anyway."""
     drain_grace_s: NonNegFloat = 3.0
     """Time clients get to see a replica marked draining before its in-flight count is
-    trusted (model_service_pool re-reads the state file at most once a second)."""
+    trusted (the model client checks the state file at most every 0.02 s, as it sends
+    requests, and asks ``endpoints_url`` once a second: the grace covers the slower)."""
     reload_in_place: bool = True
     """Reload weights in place (vLLM dev endpoints ``/pause``, ``/collective_rpc``
     ``reload_weights``, ``/resume``) when the new checkpoint has the same architecture and

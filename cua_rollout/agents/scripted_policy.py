@@ -10,41 +10,30 @@ is found by its question (the conversation's first user message). As a judge
 (``llm_judgement``), it says Correct when the answer contains a reference answer
 (``contains_answer``, normalized).
 
+``scripted_server`` serves it as an OpenAI-compatible server (``cua_rollout.model.openai_server``).
+
     python -m cua_rollout.agents.scripted_policy --tasks tasks/demo --port 8199 [--error-rate 0.1]
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import random
 import re
-import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse
 
 from cua_rollout.agents.uitars import screen_to_model
 from cua_rollout.core.errors import ConfigError
-from cua_rollout.model.openai_protocol import (
-    CHAT_COMPLETIONS_PATH,
-    HEALTH_PATH,
-    MODELS_PATH,
-    completion_body,
-    error_body,
-    models_body,
-    parse_chat_request,
-)
-from cua_rollout.model.server_metrics import vllm_metrics_text
+from cua_rollout.model.openai_server import ChatCall, Completion, OpenAIServer
 from cua_rollout.text.metrics import JUDGE_SYSTEM_PROMPT, score
 
-__all__ = ["MODEL_NAME", "ScriptedPolicy", "TextTurn", "create_app", "load_solutions",
-           "load_text_solutions", "main"]
+__all__ = ["MODEL_NAME", "ScriptedPolicy", "TextTurn", "load_solutions", "load_text_solutions",
+           "main", "scripted_server"]
 
 MODEL_NAME = "scripted-ui-tars"
 _INSTRUCTION_HEADER = "## User Instruction\n"
@@ -230,60 +219,20 @@ def _instruction(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
-def create_app(policy: ScriptedPolicy, *, latency_s: float = 0.0,
-               model_name: str = MODEL_NAME) -> FastAPI:
-    """``/v1/models``, ``/v1/chat/completions``, ``/health`` and ``/metrics`` (vLLM's
-    names: requests running, tokens, time per request) as a vLLM server answers them."""
-    app = FastAPI(title="scripted UI-TARS policy")
-    served = {"running": 0, "generation": 0, "finished": 0, "inference_s": 0.0}
+def scripted_server(policy: ScriptedPolicy, *, latency_s: float = 0.0,
+                    model_name: str = MODEL_NAME, host: str = "127.0.0.1",
+                    port: int = 0) -> OpenAIServer:
+    """``policy`` behind an OpenAI-compatible server as vLLM answers (``/v1/models``,
+    ``/v1/chat/completions``, ``/health``, ``/metrics``), each reply ``latency_s`` late;
+    ``start()`` serves it from a thread (port 0: a free one)."""
 
-    @app.get("/metrics")
-    async def metrics() -> PlainTextResponse:
-        return PlainTextResponse(vllm_metrics_text(
-            model_name=model_name, running=served["running"],
-            generation_tokens_total=served["generation"],
-            requests_finished_total=served["finished"],
-            queue_time_s=(0.0, served["finished"]),
-            inference_time_s=(served["inference_s"], served["finished"])))
-
-    @app.get(HEALTH_PATH)
-    async def health() -> dict[str, str]:
-        return {}
-
-    @app.get(MODELS_PATH)
-    async def models() -> dict[str, Any]:
-        return models_body(model_name, owned_by="scripted", root=f"scripted-{model_name}")
-
-    @app.post(CHAT_COMPLETIONS_PATH)
-    async def chat(request: Request) -> Any:
-        try:
-            body = await request.json()
-        except ValueError:
-            return _error(400, "the request body is not JSON")
-        try:
-            chat = parse_chat_request(body)
-        except ValueError as exc:
-            return _error(400, str(exc))
-        started = time.monotonic()
-        served["running"] += 1
-        try:
-            if latency_s:
-                await asyncio.sleep(latency_s)
-            text, calls = policy.respond(chat.messages)
-        finally:
-            served["running"] -= 1
+    def answer(call: ChatCall) -> Completion:
+        text, calls = policy.respond(call.request.messages)
         tokens = len(text.split()) + sum(len(a.split()) + 1 for _, a in calls)
-        served["finished"] += 1
-        served["generation"] += tokens
-        served["inference_s"] += time.monotonic() - started
-        return completion_body(text, model=model_name, prompt_tokens=0,
-                               completion_tokens=tokens, tool_calls=calls or None)
+        return Completion(text, tool_calls=calls, completion_tokens=tokens, delay_s=latency_s)
 
-    return app
-
-
-def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse(error_body(status, message), status_code=status)
+    return OpenAIServer(answer, model=model_name, owned_by="scripted",
+                        root=f"scripted-{model_name}", host=host, port=port)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -300,8 +249,8 @@ def main(argv: list[str] | None = None) -> int:
     if not solutions:
         parser.error(f"no task with a reference_solution under {', '.join(map(str, args.tasks))}")
     policy = ScriptedPolicy(solutions, error_rate=args.error_rate, seed=args.seed)
-    uvicorn.run(create_app(policy, latency_s=args.latency_s), host=args.host, port=args.port,
-                log_level="warning")
+    uvicorn.run(scripted_server(policy, latency_s=args.latency_s), host=args.host,
+                port=args.port, log_level="warning", lifespan="off")
     return 0
 
 

@@ -20,6 +20,7 @@
     │   │                           cannot start, its index cannot load): not the model's doing
     │   ├── UnsupportedEvaluator    a task names a getter or metric we do not implement
     │   └── EvaluationError         the scoring code failed (OSWorld's evaluator raised)
+    │       └── EvaluatorRaised     OSWorld's metric or getter itself raised on its input
     └── ModelRequestError           the model server refused the request (4xx): never retried;
         │                           401/403/404 stop the run (no request can succeed)
         └── ContextTooShort         a request longer than the endpoint's context, stopped
@@ -49,6 +50,7 @@ __all__ = [
     "DesktopUnavailable",
     "DownloadMissing",
     "EvaluationError",
+    "EvaluatorRaised",
     "FatalSetupError",
     "FleetError",
     "InfraError",
@@ -191,6 +193,11 @@ class EvaluationError(InfraError):
     worker process died or could not start): the episode has no score."""
 
     retryable = False  # the actions are done; another attempt redoes them all
+
+
+class EvaluatorRaised(EvaluationError):
+    """OSWorld's own metric or getter raised on its input (its worker answered, with the
+    error): the function's doing, unlike a worker that died, timed out or cannot start."""
 
 
 class ModelRequestError(RolloutError):

@@ -97,9 +97,9 @@ def redact_urls(value: Any) -> Any:
 
 
 class ThreadedServer:
-    """Any ASGI app served by uvicorn in a thread with its own loop (run.py serves the scripted
-    policy so; the fleet its control API; tests and benchmarks their fakes). Port 0 picks a
-    free one, kept across a stop and a start."""
+    """Any ASGI 3 app (a FastAPI app, any async callable) served by uvicorn in a thread with
+    its own loop (run.py serves the scripted policy so; the fleet its control API; tests and
+    benchmarks their fakes). Port 0 picks a free one, kept across a stop and a start."""
 
     def __init__(self, app: Any, host: str = "127.0.0.1", port: int = 0) -> None:
         self.app = app
@@ -115,9 +115,10 @@ class ThreadedServer:
     def start(self, timeout_s: float = 10.0) -> ThreadedServer:
         import uvicorn
 
+        # ASGI 3 said, not guessed: uvicorn takes a bound method (an app's handler) for ASGI 2.
         config = uvicorn.Config(
             self.app, host=self.host, port=self.port, log_level="error", lifespan="off",
-            timeout_graceful_shutdown=1,
+            timeout_graceful_shutdown=1, interface="asgi3",
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, daemon=True)

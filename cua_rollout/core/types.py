@@ -37,7 +37,8 @@ SPECIAL_ACTIONS = (DONE, FAIL, WAIT)
 
 
 class Status(StrEnum):
-    """How an episode ended (DESIGN.md "Episode outcome"); never a bare bool or reward."""
+    """How an episode ended: one of these on every result, never a bare bool or reward (the
+    reward says how well a scored episode did, the status whether it was scored at all)."""
 
     SUCCESS = "success"          # scored, reward >= SUCCESS_REWARD
     FAILURE = "failure"          # scored, below it

@@ -30,7 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from cua_rollout.core.errors import ConfigError, EvaluationError, UnsupportedEvaluator
+from cua_rollout.core.errors import (
+    ConfigError,
+    EvaluationError,
+    EvaluatorRaised,
+    UnsupportedEvaluator,
+)
 from cua_rollout.core.files import write_atomic
 from cua_rollout.envs.contract import DesktopAddress
 
@@ -203,16 +208,18 @@ class OSWorldBridge:
         if reply.get("kind") == "unsupported":
             raise UnsupportedEvaluator(f"OSWorld evaluator: {reply.get('error')}")
         tail = (reply.get("traceback") or "").strip().splitlines()[-6:]
-        raise EvaluationError(f"OSWorld's evaluator code raised {reply.get('error')}"
+        raise _failure(reply)(f"OSWorld's evaluator code raised {reply.get('error')}"
                               + ("\n" + "\n".join(tail) if tail else ""))
 
     async def call(self, request: dict[str, Any], timeout_s: float | None = None) -> Any:
         """One ``metric`` or ``getter`` op (see the worker's protocol): the value OSWorld's
-        function returned; ``EvaluationError`` with its error when it raised."""
+        function returned; ``EvaluatorRaised`` with its error when it raised, another
+        ``EvaluationError`` when the worker failed or refused the request."""
         reply = await self._call(request, timeout_s)
         if not reply.get("ok"):
-            cls = UnsupportedEvaluator if reply.get("kind") == "unsupported" else EvaluationError
-            raise cls(str(reply.get("error")))
+            if reply.get("kind") == "unsupported":
+                raise UnsupportedEvaluator(str(reply.get("error")))
+            raise _failure(reply)(str(reply.get("error")))
         return reply.get("value")
 
     async def close(self) -> None:
@@ -270,3 +277,10 @@ def _catalog_key(bridge: OSWorldBridge) -> str:
     digest.update(WORKER.read_bytes())
     digest.update(sys.version.encode())
     return digest.hexdigest()[:16]
+
+
+
+def _failure(reply: dict[str, Any]) -> type[EvaluationError]:
+    """The error of a worker's "error" reply: OSWorld's function raised
+    (``EvaluatorRaised``); else the worker did not understand the request."""
+    return EvaluatorRaised if reply.get("kind") == "error" else EvaluationError

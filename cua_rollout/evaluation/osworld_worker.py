@@ -18,6 +18,7 @@ Protocol: one JSON object per line on stdin, one reply per line on the original 
         "desktop": {"url", "token", "chromium_port", "vlc_port"}, "cache_dir": dir}
     -> {"id": 1, "ok": true, "score": 0.5, "seconds": s}
      | {"id": 1, "ok": false, "kind": "unsupported"|"error", "error": "...", "traceback": "..."}
+     | {"id": 1, "ok": false, "kind": "bad_request", "error": "unknown op ..."}
     <- {"op": "metric", "name", "args", "options"}        one metric on given values
     <- {"op": "getter", "config", "desktop", "cache_dir"}  one getter on a desktop
     -> {"id", "ok": true, "value": ...}   (both for parity tests of our native functions)
@@ -351,7 +352,7 @@ def _handle(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
         except Exception as exc:
             return {"ok": False, "kind": "error", "error": f"{type(exc).__name__}: {exc}"}
     if op not in ("evaluate", "getter"):
-        return {"ok": False, "kind": "error", "error": f"unknown op {op!r}"}
+        return {"ok": False, "kind": "bad_request", "error": f"unknown op {op!r}"}
     desktop = request["desktop"]
     origin = "{0.scheme}://{0.netloc}".format(urlsplit(str(desktop["url"])))
     if desktop.get("token"):

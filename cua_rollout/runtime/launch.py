@@ -27,14 +27,13 @@ import ray.util.scheduling_strategies
 
 from cua_rollout.agents.scripted_policy import (
     ScriptedPolicy,
-    create_app,
     load_solutions,
     load_text_solutions,
+    scripted_server,
 )
 from cua_rollout.config import Config, secret_from_env
 from cua_rollout.core.errors import ConfigError, FatalSetupError, one_line
 from cua_rollout.core.http import (
-    ThreadedServer,
     error_text,
     is_loopback,
     redact_url,
@@ -134,8 +133,8 @@ def scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
     if cfg.ray.address is not None:
 
         host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
-    server = ThreadedServer(create_app(policy, latency_s=cfg.model.scripted_latency_s,
-                                       model_name=cfg.model.name), host=host)
+    server = scripted_server(policy, latency_s=cfg.model.scripted_latency_s,
+                             model_name=cfg.model.name, host=host)
     server.start()
     stack.callback(server.stop)
     return server.url

@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from cua_rollout.core.layout import INDEX_FILE
+from cua_rollout.core.layout import INDEX_FILE, RUN_FILE
 from cua_rollout.training import ClaimedGroup, TrainingIndex, default_url
 
 
@@ -50,7 +50,7 @@ def run_ended(run_dir: Path | None) -> bool:
     if run_dir is None:
         return False
     try:
-        return json.loads((run_dir / "run.json").read_text()).get("status") != "running"
+        return json.loads((run_dir / RUN_FILE).read_text()).get("status") != "running"
     except (OSError, ValueError):
         return False
 

@@ -10,12 +10,11 @@ import time
 import pytest
 from PIL import Image
 
-from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
 from cua_rollout.agents.uitars import parse_response, to_pyautogui
 from cua_rollout.agents.uitars.prompt import Turn, build_messages
 from cua_rollout.config import ModelConfig
 from cua_rollout.core.errors import ConfigError
-from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.model.client import ModelServicePool
 from cua_rollout.model.openai_protocol import ChatCompletion, ErrorReply, parse_chat_completion
@@ -51,7 +50,7 @@ def served(tmp_path):
 
     def serve(**kw) -> str:
         policy = ScriptedPolicy(load_solutions([write_tasks(tmp_path)]), **kw)
-        server = ThreadedServer(create_app(policy)).start()
+        server = scripted_server(policy).start()
         servers.append(server)
         return server.url
 
@@ -111,7 +110,7 @@ async def test_error_rate_injects_parseable_mistakes(served):
 
 async def test_latency_is_added(tmp_path):
     policy = ScriptedPolicy(load_solutions([write_tasks(tmp_path)]))
-    with ThreadedServer(create_app(policy, latency_s=0.3)) as server:
+    with scripted_server(policy, latency_s=0.3) as server:
         pool = ModelServicePool(ModelConfig(endpoints=[server.url]))
         try:
             started = time.monotonic()
@@ -125,7 +124,7 @@ def test_bad_requests_get_openai_style_errors(tmp_path):
     import httpx
 
     policy = ScriptedPolicy({})
-    with ThreadedServer(create_app(policy)) as server:
+    with scripted_server(policy) as server:
         r = httpx.post(server.url + "/v1/chat/completions", content=b"nope",
                        headers={"Content-Type": "application/json"})
         assert r.status_code == 400 and "not JSON" in r.json()["message"]
@@ -142,7 +141,7 @@ def test_replies_are_chat_completions_of_the_protocol(tmp_path):
     import httpx
 
     policy = ScriptedPolicy(load_solutions([write_tasks(tmp_path)]))
-    with ThreadedServer(create_app(policy)) as server:
+    with scripted_server(policy) as server:
         messages = build_messages("Write hello in the editor", [], png())
         r = httpx.post(server.url + "/v1/chat/completions", json={"messages": messages})
     completion = ChatCompletion.model_validate(r.json())

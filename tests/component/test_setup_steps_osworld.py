@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import http.server
 import inspect
 import multiprocessing
 import socket
-import threading
-import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
@@ -27,6 +24,7 @@ import pytest
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.errors import BadTaskStep, TaskSetupError, UnsupportedSetupStep
+from cua_rollout.core.http import ThreadedServer
 from cua_rollout.envs.chrome import (
     HISTORY_TEMPLATE_NAME,
     HISTORY_TEMPLATE_URL,
@@ -57,50 +55,42 @@ class FileServer:
 
     def __init__(self) -> None:
         self.hits: Counter[str] = Counter()
-        self._lock = threading.Lock()
-        outer = self
+        self._server = ThreadedServer(self._app)
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                with outer._lock:
-                    outer.hits[self.path] += 1
-                    count = outer.hits[self.path]
-                name = self.path.rsplit("/", 1)[-1]
-                if self.path.startswith("/files/") or (
-                        self.path.startswith("/flaky/") and count > 1):
-                    body = body_of(name)
-                    self.send_response(200)
-                    self.send_header("Content-Length", str(len(body)))
-                    self.end_headers()
-                    self.wfile.write(body[: len(body) // 2])
-                    self.wfile.flush()
-                    time.sleep(SLOW_BODY_S)
-                    self.wfile.write(body[len(body) // 2:])
-                    return
-                status = 503 if self.path.startswith("/flaky/") else 404
-                payload = b'{"error": "no such file here"}'
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
+    @property
+    def url(self) -> str:
+        return self._server.url
 
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+    async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        query = scope["query_string"].decode()
+        path = scope["path"] + (f"?{query}" if query else "")  # the request target, as sent
+        self.hits[path] += 1  # one event loop: no lock needed
+        count = self.hits[path]
+        name = path.rsplit("/", 1)[-1]
+        if path.startswith("/files/") or (path.startswith("/flaky/") and count > 1):
+            body = body_of(name)
+            await send({"type": "http.response.start", "status": 200,
+                        "headers": [(b"content-length", str(len(body)).encode())]})
+            await send({"type": "http.response.body", "body": body[: len(body) // 2],
+                        "more_body": True})
+            await asyncio.sleep(SLOW_BODY_S)
+            await send({"type": "http.response.body", "body": body[len(body) // 2:]})
+            return
+        status = 503 if path.startswith("/flaky/") else 404
+        payload = b'{"error": "no such file here"}'
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
 
     def __enter__(self) -> FileServer:
-        self._thread.start()
+        self._server.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.stop()
 
 
 def body_of(name: str) -> bytes:

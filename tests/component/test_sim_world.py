@@ -149,11 +149,11 @@ def test_model_latency_grows_with_speed_factor_tokens_and_load():
                    capacity=2, speed_factors=(1.0, 2.0))
     body = _body(build_messages("sim task 5", [], _png(0)))
     fast, slow = ModelApp(cfg, 0), ModelApp(cfg, 1)
-    replies = [fast(b"POST", b"/v1/chat/completions", body) for _ in range(4)]
+    replies = [fast.handle(b"POST", b"/v1/chat/completions", body) for _ in range(4)]
     tokens = json.loads(replies[0].body)["usage"]["completion_tokens"]
     one = 0.1 + 0.01 * tokens
     assert [r.delay_s for r in replies] == pytest.approx([one, one, 1.5 * one, 2 * one])
-    assert slow(b"POST", b"/v1/chat/completions", body).delay_s == pytest.approx(2 * one)
+    assert slow.handle(b"POST", b"/v1/chat/completions", body).delay_s == pytest.approx(2 * one)
     for r in replies:
         r.done()
     assert fast.in_flight == 0 and fast.max_in_flight == 4

@@ -16,9 +16,9 @@ import psutil
 import pytest
 import ray
 
-from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
 from cua_rollout.config import Config, load_config
-from cua_rollout.core.http import ThreadedServer
+from cua_rollout.model.openai_server import OpenAIServer
 from cua_rollout.runtime.launch import Actors, start_actors, stop_actors
 from cua_rollout.runtime.loader import TaskLoader
 from tests.doubles.fake_openai import FakeOpenAIServer
@@ -74,9 +74,9 @@ def _rollout(cfg: Config) -> Iterator[tuple[Actors, TaskLoader]]:
         stop_actors(actors, "finished", None)
 
 
-def _scripted(latency_s: float = 0.0) -> ThreadedServer:
+def _scripted(latency_s: float = 0.0) -> OpenAIServer:
     policy = ScriptedPolicy(load_solutions([SUITE]), screen=(1280, 720))
-    return ThreadedServer(create_app(policy, latency_s=latency_s))
+    return scripted_server(policy, latency_s=latency_s)
 
 
 def _wait(actors: Actors, timeout_s: float = 240) -> dict[str, Any]:

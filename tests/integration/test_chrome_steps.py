@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.server
 import os
 import shutil
 import signal
@@ -18,7 +17,6 @@ import socket
 import sqlite3
 import subprocess
 import tempfile
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,6 +27,7 @@ from typing import Any
 import pytest
 
 from cua_rollout.config import DesktopsConfig
+from cua_rollout.core.http import ThreadedServer
 from cua_rollout.envs import chrome
 from cua_rollout.envs.setup_steps import run_setup_step
 from tests.support import unavailable
@@ -122,45 +121,35 @@ class PageServer:
 
     def __init__(self) -> None:
         self.images_sent: set[str] = set()
-        outer = self
+        self._server = ThreadedServer(self._app).start()
+        self.url = self._server.url
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                path = self.path.split("?", 1)[0]
-                if path.startswith("/page/"):
-                    name = path.removeprefix("/page/")
-                    body = (f"<html><head><title>{name}</title></head><body>"
-                            f"<img src='/image/{name}.png'></body></html>").encode()
-                    kind = "text/html"
-                elif path.startswith("/image/"):
-                    time.sleep(SLOW_IMAGE_S)
-                    outer.images_sent.add(path)
-                    body, kind = PIXEL, "image/png"
-                else:
-                    self.send_error(404)
-                    return
-                self.send_response(200)
-                self.send_header("Content-Type", kind)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: Any) -> None:
-                pass
-
-        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self._server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self._server.server_address[1]}"
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
-        self._thread.start()
+    async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        path = scope["path"]
+        if path.startswith("/page/"):
+            name = path.removeprefix("/page/")
+            body = (f"<html><head><title>{name}</title></head><body>"
+                    f"<img src='/image/{name}.png'></body></html>").encode()
+            kind = b"text/html"
+            status = 200
+        elif path.startswith("/image/"):
+            await asyncio.sleep(SLOW_IMAGE_S)
+            self.images_sent.add(path)
+            body, kind, status = PIXEL, b"image/png", 200
+        else:
+            body, kind, status = b"not found", b"text/plain", 404
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", kind),
+                                (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
 
     def page(self, name: str) -> str:
         return f"{self.url}/page/{name}"
 
     def close(self) -> None:
-        self._server.shutdown()
-        self._server.server_close()
-        self._thread.join()
+        self._server.stop()
 
 
 @pytest.fixture

@@ -20,7 +20,8 @@ import pytest
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.envs.checker import check_desktop_env
 from cua_rollout.envs.client import RemoteDesktopEnv
-from cua_rollout.envs.providers.container import LABEL_RUN, ContainerProvider, run_label
+from cua_rollout.envs.providers.base import LABEL_RUN, run_label
+from cua_rollout.envs.providers.container import ContainerProvider
 from cua_rollout.runtime.pool import DesktopPool
 from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image
 

@@ -15,10 +15,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
 from cua_rollout.agents.uitars import parse_response, to_pyautogui
 from cua_rollout.config import load_config
-from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.types import DONE
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.model.client import ModelServicePool
@@ -131,7 +130,7 @@ async def test_the_scripted_policy_solves_every_task(demo):
     cfg, pool = demo
     policy = ScriptedPolicy(load_solutions([SUITE]), screen=(cfg.desktops.screen_width,
                                                              cfg.desktops.screen_height))
-    with ThreadedServer(create_app(policy)) as server:
+    with scripted_server(policy) as server:
         model = ModelServicePool(cfg.model.model_copy(update={"scripted": False,
                                                               "endpoints": [server.url]}))
         try:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import http.server
 import io
 import json
 import os
@@ -23,7 +22,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Iterator
@@ -36,7 +34,11 @@ import httpx
 import psutil
 import pytest
 from PIL import Image
+from starlette.applications import Starlette
+from starlette.routing import Mount
+from starlette.staticfiles import StaticFiles
 
+from cua_rollout.core.http import ThreadedServer
 from cua_rollout.desktop.display import XvfbDisplay, terminate_process
 from cua_rollout.desktop.profile import provision
 from cua_rollout.desktop.protocol import execute_command
@@ -592,21 +594,14 @@ def test_upload_file_list_directory_round_trip(server: Server, session: Session)
     assert server.post_json("/list_directory", {"path": "~/docs"}).json() == r.json()
 
 
-class _QuietHandler(http.server.SimpleHTTPRequestHandler):
-    def log_message(self, format: str, *args: Any) -> None:
-        pass
-
-
 def test_download_file_fetches_reachable_urls_and_explains_failures(
     server: Server, session: Session, tmp_path: Path
 ) -> None:
     (tmp_path / "payload.txt").write_text("downloaded text\n")
-    handler = lambda *a: _QuietHandler(*a, directory=str(tmp_path))  # noqa: E731
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
-    thread.start()
+    files = ThreadedServer(Starlette(routes=[
+        Mount("/", StaticFiles(directory=str(tmp_path)))])).start()
     try:
-        base = f"http://127.0.0.1:{httpd.server_address[1]}"
+        base = files.url
         r = server.post_json(
             "/setup/download_file", {"url": f"{base}/payload.txt", "path": "~/dl/p.txt"}
         )
@@ -619,9 +614,7 @@ def test_download_file_fetches_reachable_urls_and_explains_failures(
             assert r.text.startswith(f"Failed to download {url}. No retries left. Error:")
         assert not (session.home / "dl" / "x.txt").exists()
     finally:
-        httpd.shutdown()
-        httpd.server_close()
-        thread.join()
+        files.stop()
 
 
 # --------------------------------------------------------------------------- bad requests

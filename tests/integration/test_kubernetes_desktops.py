@@ -30,7 +30,7 @@ from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.errors import DesktopError
 from cua_rollout.envs.checker import check_desktop_env
 from cua_rollout.envs.client import RemoteDesktopEnv
-from cua_rollout.envs.providers.container import run_label
+from cua_rollout.envs.providers.base import run_label
 from cua_rollout.envs.providers.kubernetes import (
     HEARTBEAT_ANNOTATION,
     PROCESS_ANNOTATION,

@@ -34,7 +34,7 @@ import yaml
 
 from cua_rollout.cli.tiny_models import build_tiny_vlm
 from cua_rollout.core.types import SCORED_STATUSES
-from cua_rollout.envs.providers.container import LABEL_RUN
+from cua_rollout.envs.providers.base import LABEL_RUN
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE
 from tests.support import REPO_ROOT, desktop_image, require_vlm_serving, unavailable
 

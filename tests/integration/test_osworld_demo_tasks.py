@@ -17,10 +17,9 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
 from cua_rollout.agents.uitars import parse_response
 from cua_rollout.config import load_config
-from cua_rollout.core.http import ThreadedServer
 from cua_rollout.envs.setup_steps import step_problem
 from cua_rollout.evaluation import Evaluator, route_problem
 from cua_rollout.evaluation.preflight import TaskChecker
@@ -158,7 +157,7 @@ async def test_reference_solutions_score_1(suite):
     policy = ScriptedPolicy(load_solutions([SUITE]), screen=(cfg.desktops.screen_width,
                                                              cfg.desktops.screen_height))
     stats: dict[str, dict[str, Any]] = {task["id"]: {} for _, task in TASKS}
-    with ThreadedServer(create_app(policy)) as server:
+    with scripted_server(policy) as server:
         model = ModelServicePool(cfg.model.model_copy(update={"scripted": False,
                                                               "endpoints": [server.url]}))
         try:

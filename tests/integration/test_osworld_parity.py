@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from cua_rollout.config import DesktopsConfig
-from cua_rollout.core.errors import UnsupportedEvaluator
+from cua_rollout.core.errors import EvaluatorRaised, UnsupportedEvaluator
 from cua_rollout.core.http import ThreadedServer
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopAddress
@@ -58,20 +58,23 @@ def bridge(loop: asyncio.AbstractEventLoop) -> Iterator[OSWorldBridge]:
 
 def _both(loop: asyncio.AbstractEventLoop, bridge: OSWorldBridge, name: str,
           args: list[Any], options: dict[str, Any] | None = None) -> tuple[Any, Any]:
-    """(ours, OSWorld's): each a float, or the string "raised"."""
+    """(ours, OSWorld's): each a float, or the string "raised" when the metric itself raised
+    on these inputs. Only the metric's own error counts as "raised" on OSWorld's side: a worker
+    that died, timed out or refused the request raises here, failing the test with its
+    message (two failures for different reasons are no parity)."""
     try:
         ours: Any = float(METRICS[name](*args, **(options or {})))
-    except Exception:
+    except Exception:  # our metric runs in this process: any error is the metric's own
         ours = "raised"
     try:
         theirs: Any = loop.run_until_complete(bridge.call(
             {"op": "metric", "name": name, "args": args, "options": options or {}}, 60))
-        theirs = float(theirs)
-    except UnsupportedEvaluator:
-        raise
-    except Exception:
-        theirs = "raised"
-    return ours, theirs
+    except EvaluatorRaised:
+        return ours, "raised"
+    try:
+        return ours, float(theirs)
+    except (TypeError, ValueError):  # OSWorld's metric returned what is not a score
+        return ours, "raised"
 
 
 TEXT = st.text(alphabet=st.sampled_from("ab c\t\nAB'\"{}:1"), max_size=12)

@@ -19,8 +19,7 @@ from typing import Any
 
 import pytest
 
-from cua_rollout.agents.scripted_policy import ScriptedPolicy, create_app, load_solutions
-from cua_rollout.core.http import ThreadedServer
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
 from cua_rollout.model.fleet.state import write_state
 from cua_rollout.training import TrainingIndex, default_url, export
 from tests.support import REPO_ROOT, run_results
@@ -57,7 +56,7 @@ def test_a_trainer_follows_a_run_over_passes_and_a_checkpoint_reload(tmp):
     # An imperfect policy (some episodes fail): groups with and without signal.
     policy = ScriptedPolicy(load_solutions([REPO_ROOT / "tasks" / "demo"]), error_rate=0.15,
                             seed=7, screen=(1280, 720))
-    server = ThreadedServer(create_app(policy, model_name="ui-tars-1.5-7b")).start()
+    server = scripted_server(policy, model_name="ui-tars-1.5-7b").start()
     state_dir = tmp / "pool"
     state_dir.mkdir()
     _publish(state_dir, server.url, "ckpt-1", None)

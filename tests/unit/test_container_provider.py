@@ -12,23 +12,23 @@ import pytest
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.envs.providers import container
-from cua_rollout.envs.providers.container import run_label
+from cua_rollout.envs.providers.base import run_is_gone, run_label
 
 
 def test_a_run_label_names_this_process_and_tells_a_gone_run():
     label = run_label()
     host, pid, _ = label.rsplit(":", 2)
     assert host == socket.gethostname() and int(pid) == os.getpid()
-    assert not container.run_is_gone(label)
+    assert not run_is_gone(label)
     ended = subprocess.Popen([sys.executable, "-c", "pass"])
     gone = run_label(ended.pid)
     ended.wait()
-    assert container.run_is_gone(gone)
+    assert run_is_gone(gone)
     # A reused pid with another start time is another process: the run is gone.
-    assert container.run_is_gone(f"{socket.gethostname()}:{os.getpid()}:1")
+    assert run_is_gone(f"{socket.gethostname()}:{os.getpid()}:1")
     # Another host's run is never judged from here; a broken label is not ours to keep.
-    assert not container.run_is_gone("elsewhere:1:1")
-    assert container.run_is_gone("garbage")
+    assert not run_is_gone("elsewhere:1:1")
+    assert run_is_gone("garbage")
 
 
 @pytest.mark.parametrize("text", [

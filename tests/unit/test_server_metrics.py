@@ -4,6 +4,7 @@ hanging, failing, answering something else, gone)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import socket
@@ -11,10 +12,11 @@ import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import pytest
 
+from cua_rollout.core.http import ThreadedServer
 from cua_rollout.model.fleet.replica_api import parse_vllm_load
 from cua_rollout.model.server_metrics import (
     EndpointUtilization,
@@ -218,41 +220,33 @@ class MetricsServer:
     release: threading.Event = field(default_factory=threading.Event)
 
     def start(self) -> MetricsServer:
-        owner = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                owner.headers.append(dict(self.headers))
-                route = owner.routes.get(self.path, (404, '{"detail": "Not Found"}'))
-                if route == "hang":
-                    owner.release.wait(30)
-                    return
-                status, body = route
-                data = body.encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "text/plain; version=0.0.4")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
+        self.server = ThreadedServer(self._app).start()
         return self
+
+    async def _app(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            return
+        self.headers.append({k.decode(): v.decode() for k, v in scope["headers"]})
+        route = self.routes.get(scope["path"], (404, '{"detail": "Not Found"}'))
+        if route == "hang":
+            deadline = time.monotonic() + 30
+            while not self.release.is_set() and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            return  # no reply: the connection closes without one
+        status, body = route
+        data = body.encode()
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"text/plain; version=0.0.4"),
+                                (b"content-length", str(len(data)).encode())]})
+        await send({"type": "http.response.body", "body": data})
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.server.server_address[1]}"
+        return self.server.url
 
     def stop(self) -> None:
         self.release.set()
-        self.server.shutdown()
-        self.server.server_close()
-        self.thread.join(10)
+        self.server.stop()
 
 
 @pytest.fixture
@@ -300,7 +294,7 @@ async def test_scraper_reports_every_endpoint_and_never_raises(server: MetricsSe
         assert not garbage.up and garbage.error.startswith(
             "bad /metrics reply: not Prometheus exposition text")
         assert not gone.up and gone.error.startswith("ConnectError")
-        assert all(h.get("Authorization") == "Bearer k" for h in server.headers)
+        assert all(h.get("authorization") == "Bearer k" for h in server.headers)
 
         server.routes["/a/metrics"] = (200, vllm_text(generation=(140, 8), prompt=(300, 20),
                                                       queue_count=(6, 2), queue_sum=(1.5, .25)))

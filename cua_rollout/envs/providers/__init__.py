@@ -6,7 +6,6 @@ from __future__ import annotations
 import importlib
 
 from cua_rollout.config import DesktopsConfig
-from cua_rollout.core.errors import ConfigError
 from cua_rollout.envs.providers.base import Desktop, DesktopProvider
 
 __all__ = ["PROVIDERS", "Desktop", "DesktopProvider", "make_provider"]
@@ -22,10 +21,8 @@ PROVIDERS: dict[str, str] = {
 
 
 def make_provider(cfg: DesktopsConfig) -> DesktopProvider:
-    """The provider ``cfg.provider`` names, built from the desktops config."""
-    target = PROVIDERS.get(cfg.provider)
-    if target is None:
-        raise ConfigError(f"desktops.provider {cfg.provider!r} is not available yet")
-    module, name = target.split(":")
+    """The provider ``cfg.provider`` names (the config's Literal allows only ``PROVIDERS``'
+    keys), built from the desktops config."""
+    module, name = PROVIDERS[cfg.provider].split(":")
     cls: type[DesktopProvider] = getattr(importlib.import_module(module), name)
     return cls(cfg)  # type: ignore[call-arg]

@@ -21,62 +21,34 @@ import logging
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import time
-
-import psutil
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.errors import ConfigError, DesktopError
 from cua_rollout.core.http import reachable_host
-from cua_rollout.envs.providers.base import Desktop, DesktopProvider
-from cua_rollout.envs.providers.static import (
+from cua_rollout.envs.providers.base import (
+    LABEL_DESKTOP,
+    LABEL_OWNER,
+    LABEL_RUN,
+    Desktop,
+    DesktopProvider,
+    bring_up,
     builtin_reset,
+    run_is_gone,
+    run_label,
     server_answers,
-    take_baseline,
     wait_serving,
 )
 
-__all__ = [
-    "LABEL_DESKTOP",
-    "LABEL_OWNER",
-    "LABEL_RUN",
-    "ContainerProvider",
-    "run_is_gone",
-    "run_label",
-]
+__all__ = ["ContainerProvider"]
 
 log = logging.getLogger(__name__)
 
-LABEL_DESKTOP = "cua.desktop"
-LABEL_RUN = "cua.run"
-LABEL_OWNER = "cua.owner"
 SERVER_PORT = 5000            # the image's CUA_DESKTOP_PORT
 _TOKEN_VAR = "CUA_DESKTOP_TOKEN"  # the image's CUA_DESKTOP_TOKEN_ENV
 _ENGINE_TIMEOUT_S = 60.0
 _POLL_S = 0.1
-
-
-def run_label(pid: int | None = None) -> str:
-    """``host:pid:start`` of a process (this one by default): what ``cua.run`` holds, and
-    how a sweep tells a live run's containers from a dead one's."""
-    proc = psutil.Process(pid)
-    return f"{socket.gethostname()}:{proc.pid}:{int(proc.create_time())}"
-
-
-def run_is_gone(label: str) -> bool:
-    """True when ``label`` names a process of this host that no longer runs; a run of
-    another host is never judged from here."""
-    try:
-        host, pid, started = label.rsplit(":", 2)
-        if host != socket.gethostname():
-            return False
-        return int(psutil.Process(int(pid)).create_time()) != int(started)
-    except (ValueError, psutil.NoSuchProcess):
-        return True
-    except psutil.Error:
-        return False
 
 
 class ContainerProvider(DesktopProvider):
@@ -185,20 +157,16 @@ class ContainerProvider(DesktopProvider):
                 await self._cli("rm", "-f", "-t", "0", name, timeout_s=30)
             raise
         self._containers[desktop_id] = container
-        try:
+
+        async def serving() -> Desktop:
             mapped = await self._cli("port", container, f"{SERVER_PORT}/tcp")
             host_port = mapped.splitlines()[0].rsplit(":", 1)[1]
             url = f"http://{reachable_host(self.ccfg.publish_host)}:{host_port}"
             desktop = Desktop(id=desktop_id, url=url, info={"container": container[:12]})
             await self._wait_serving(desktop, started)
-            ready_s = time.monotonic() - started
-            await take_baseline(self.cfg, desktop)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.stop(Desktop(id=desktop_id, url=""))
-            raise
-        desktop.info["start_s"] = round(ready_s, 3)
-        return desktop
+            return desktop
+
+        return await bring_up(self, self.cfg, desktop_id, started, serving)
 
     async def _wait_serving(self, desktop: Desktop, started: float) -> None:
         async def gone() -> str | None:

@@ -49,18 +49,17 @@ from urllib3.exceptions import HTTPError
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import ConfigError, DesktopError
-from cua_rollout.envs.providers.base import Desktop, DesktopProvider
-from cua_rollout.envs.providers.container import (
+from cua_rollout.envs.providers.base import (
     LABEL_DESKTOP,
     LABEL_OWNER,
     LABEL_RUN,
+    Desktop,
+    DesktopProvider,
+    bring_up,
+    builtin_reset,
     run_is_gone,
     run_label,
-)
-from cua_rollout.envs.providers.static import (
-    builtin_reset,
     server_answers,
-    take_baseline,
     wait_serving,
 )
 
@@ -444,7 +443,8 @@ class KubernetesProvider(DesktopProvider):
             raise DesktopError(f"{name}: the API server refused the pod: "
                                f"{_status_message(exc)}") from None
         self._mine[name] = ""
-        try:
+
+        async def serving() -> Desktop:
             url = await self._wait_ready(name, started)
             if self.kcfg.service_per_pod:
                 url = await self._service(name)
@@ -453,14 +453,9 @@ class KubernetesProvider(DesktopProvider):
             # Ready in Kubernetes; from here, as the runners will reach it.
             await wait_serving(self.cfg, desktop, started + self.kcfg.startup_timeout_s,
                                poll_s=0.2)
-            ready_s = time.monotonic() - started
-            await take_baseline(self.cfg, desktop)
-        except BaseException:
-            with contextlib.suppress(Exception):
-                await self.stop(Desktop(id=name, url=""))
-            raise
-        desktop.info["start_s"] = round(ready_s, 3)
-        return desktop
+            return desktop
+
+        return await bring_up(self, self.cfg, name, started, serving)
 
     async def _wait_ready(self, name: str, started: float) -> str:
         """The pod's URL once it is ready, by the watch's events; ``DesktopError`` naming

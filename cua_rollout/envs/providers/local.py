@@ -10,8 +10,7 @@ import os
 from typing import Any
 
 from cua_rollout.config import DesktopsConfig
-from cua_rollout.envs.providers.base import Desktop, DesktopProvider
-from cua_rollout.envs.providers.static import server_answers
+from cua_rollout.envs.providers.base import Desktop, DesktopProvider, server_answers
 
 __all__ = ["LocalProvider"]
 
@@ -20,8 +19,9 @@ log = logging.getLogger(__name__)
 
 class LocalProvider(DesktopProvider):
     """Desktops on this machine: each an Xvfb display with a window manager, a session bus,
-    its own HOME and the desktop server (see ``desktop/session.py``). Desktops left by a
-    crashed earlier run are found through the state dir and removed before the first start."""
+    its own HOME and the desktop server (see ``cua_rollout/envs/local_session.py``). Desktops
+    left by a crashed earlier run are found through the state dir and removed before the first
+    start."""
 
     replaceable = True
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
 
 import httpx2
 
@@ -27,130 +26,14 @@ from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.errors import DesktopError
 from cua_rollout.core.http import error_text, redact_url
 from cua_rollout.envs.client import RemoteDesktopEnv
-from cua_rollout.envs.providers.base import Desktop, DesktopProvider
-from cua_rollout.envs.verify import DESKTOP_SCRIPT
+from cua_rollout.envs.providers.base import (
+    Desktop,
+    DesktopProvider,
+    builtin_reset,
+    take_baseline,
+)
 
-__all__ = [
-    "StaticProvider",
-    "builtin_reset",
-    "run_desktop_python",
-    "server_answers",
-    "take_baseline",
-    "wait_serving",
-]
-
-# Shared by both scripts: the baseline's place and HOME, with DESKTOP_SCRIPT's functions.
-_PROCESSES = DESKTOP_SCRIPT + r"""
-import json, signal, tarfile, time
-# The desktop's own temporary directory (ours set TMPDIR per desktop; a VM has /tmp).
-base = os.path.join(os.environ.get("TMPDIR") or "/tmp", ".cua-baseline")
-keep = {os.getpid(), os.getppid()}
-def processes():
-    return desktop_processes(keep)
-def windows():
-    return desktop_windows() or []
-home = os.path.expanduser("~")
-"""
-
-# Records the baseline once (an existing one is kept: the VM's first state across runs).
-_SNAPSHOT = _PROCESSES + r"""
-if not os.path.exists(os.path.join(base, "home.tar")):
-    os.makedirs(base, exist_ok=True)
-    with tarfile.open(os.path.join(base, "home.tar.part"), "w") as tar:
-        for name in sorted(os.listdir(home)):
-            if name != ".cache":
-                tar.add(os.path.join(home, name), arcname=name)
-    os.replace(os.path.join(base, "home.tar.part"), os.path.join(base, "home.tar"))
-    with open(os.path.join(base, "state.json"), "w") as f:
-        json.dump({"processes": sorted(set(processes().values())),
-                   "windows": sorted({w[1] for w in windows()})}, f)
-print("baseline", base)
-"""
-
-_RESET = _PROCESSES + r"""
-with open(os.path.join(base, "state.json")) as f:
-    state = json.load(f)
-closed = 0
-for wid, cls, _ in windows():
-    if cls not in state["windows"]:
-        subprocess.run(["wmctrl", "-ic", wid], capture_output=True, timeout=10)
-        closed += 1
-if closed:
-    time.sleep(0.5)
-victims = [pid for pid, name in processes().items() if name not in state["processes"]]
-for pid in victims:
-    try:
-        os.kill(pid, signal.SIGKILL)
-    except OSError:
-        pass
-for name in os.listdir(home):
-    if name == ".cache":
-        continue
-    path = os.path.join(home, name)
-    if os.path.isdir(path) and not os.path.islink(path):
-        subprocess.run(["rm", "-rf", "--", path], check=True)
-    else:
-        os.unlink(path)
-with tarfile.open(os.path.join(base, "home.tar")) as tar:
-    tar.extractall(home)
-print(json.dumps({"closed": closed, "killed": len(victims)}))
-"""
-
-
-async def run_desktop_python(cfg: DesktopsConfig, desktop: Desktop, script: str, what: str
-                             ) -> str:
-    """Run ``script`` with the desktop's ``python3`` (``/execute``); its output.
-    ``DesktopError`` naming ``what`` when it fails."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
-    try:
-        reply = await env.execute(["python3", "-c", script], timeout_s=cfg.reset_timeout_s)
-    finally:
-        await env.close()
-    if reply.get("returncode") not in (0, None):
-        raise DesktopError(f"{desktop.id}: {what} failed (exit {reply.get('returncode')}): "
-                           f"{str(reply.get('error') or '').strip()[-300:]}")
-    return str(reply.get("output") or "")
-
-
-async def server_answers(cfg: DesktopsConfig, desktop: Desktop) -> bool:
-    """Whether the desktop's server answers now (its health request)."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
-    try:
-        return await env.health()
-    finally:
-        await env.close()
-
-
-async def wait_serving(cfg: DesktopsConfig, desktop: Desktop, deadline: float, *,
-                       gone: Callable[[], Awaitable[str | None]] | None = None,
-                       late: Callable[[], Awaitable[str]] | None = None,
-                       poll_s: float = 0.1) -> None:
-    """Wait until a desktop that is starting answers; ``DesktopError`` past ``deadline``
-    (``time.monotonic()``) with what ``late()`` adds, or at once when ``gone()`` says why it
-    never will (its container exited)."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
-    try:
-        while not await env.health():
-            if time.monotonic() > deadline:
-                raise DesktopError(f"{desktop.id}: its server at {desktop.url} did not answer "
-                                   "in time" + (await late() if late is not None else ""))
-            reason = await gone() if gone is not None else None
-            if reason:
-                raise DesktopError(f"{desktop.id}: {reason}")
-            await asyncio.sleep(poll_s)
-    finally:
-        await env.close()
-
-
-async def take_baseline(cfg: DesktopsConfig, desktop: Desktop) -> None:
-    """Record the desktop's first state for ``builtin_reset`` (kept if already recorded)."""
-    await run_desktop_python(cfg, desktop, _SNAPSHOT, "taking the reset baseline")
-
-
-async def builtin_reset(cfg: DesktopsConfig, desktop: Desktop) -> None:
-    """Back to the baseline: new windows closed, new processes ended, HOME restored."""
-    await run_desktop_python(cfg, desktop, _RESET, "builtin reset")
-
+__all__ = ["StaticProvider"]
 
 class StaticProvider(DesktopProvider):
     """Desktops that already run (e.g. OSWorld VMs), given by URL; never started or stopped.
