@@ -1,6 +1,7 @@
 """Tasks to episode specs: reads the task source (an OSWorld task list, a JSONL file or a
 directory of task files), filters it, skips episodes already in the run's ``results.jsonl``,
-picks up new tasks in service mode and expands each task into a group of rollouts.
+picks up new tasks in service mode; which rollouts of them start when is the sampling plan's
+(cua_rollout/runtime/sampling.py), which the loader feeds.
 
 Never touches Ray or desktops: ``TaskLoader.poll()`` is plain file I/O on the driver.
 """
@@ -12,8 +13,6 @@ import json
 import logging
 import os
 import re
-import time
-from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,19 +22,16 @@ from cua_rollout.config import BenchmarkConfig, TasksConfig
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.files import iter_jsonl, iter_jsonl_lines
 from cua_rollout.core.layout import RESULTS_FILE
-from cua_rollout.core.types import SCORED_STATUSES, EpisodeSpec
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.sampling import SamplingPlan
 from cua_rollout.text.benchmark import ItemProblem, text_task
 
-__all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
-           "load_benchmark", "load_tasks",
-           "name_problem", "validate_task"]
+__all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "load_benchmark",
+           "load_tasks", "name_problem", "validate_task"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_DOMAIN = "default"
-# int(9/sr - 7) must not drop a whole rollout to float error (9/0.6 is 15.000000000000002
-# but other rates land just below an integer).
-_FORMULA_EPS = 1e-9
 
 
 # --------------------------------------------------------------------------- public types
@@ -56,14 +52,6 @@ class TaskProblem:
         return (
             f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
         )
-
-
-def dynamic_rollout_n(success_rate: float, *, threshold: float, min_n: int) -> int | None:
-    """DART's rollout number for a task with this recent success rate, or ``None`` when the
-    rate is below ``threshold`` (then the configured number applies)."""
-    if success_rate < threshold or success_rate <= 0:
-        return None
-    return max(min_n, int(9 / success_rate - 7 + _FORMULA_EPS))
 
 
 # Task ids and domains name directories of the run (<run>/<domain>/<id>/<rollout>): one
@@ -444,17 +432,11 @@ class TaskLoader:
     """Hands out each episode of the configured tasks once.
 
     ``poll()`` returns the episodes not handed out before and not finished in
-    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other. A task is
-    sampled ``tasks.passes`` times (0: without end): each pass is a new group of rollouts,
-    planned when the task's previous group is final (every rollout has its result, fed in
-    with ``record_result``), its size ``rollouts_per_task`` or DART's dynamic number from the
-    success of the task's earlier episodes. Rollout ``i`` of pass ``p`` is rollout number
-    ``p * rollouts_per_task + i`` (its directory), so a resumed run finds each group again.
-    With ``poll_interval_s == 0`` the source is read once; in service mode ``poll(refresh=
-    True)`` re-reads it (only files whose mtime or size changed) and adds what is new.
-    ``barrier`` (newest checkpoint first) is asked before a hand-out plans new groups: None
-    lets them start, a reason holds them (``waiting`` says it). ``problems`` lists the tasks
-    that could not be loaded right now.
+    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other, as its
+    ``SamplingPlan`` plans them (passes, group sizes, the checkpoint ``barrier``; results fed
+    in with ``record_result``). With ``poll_interval_s == 0`` the source is read once; in
+    service mode ``poll(refresh=True)`` re-reads it (only files whose mtime or size changed)
+    and adds what is new. ``problems`` lists the tasks that could not be loaded right now.
     """
 
     def __init__(self, cfg: TasksConfig, run_dir: Path,
@@ -474,15 +456,7 @@ class TaskLoader:
         self._tasks: list[_Task] = []
         self._problems: list[TaskProblem] = []
         self._logged: set[TaskProblem] = set()
-        self._handed_out: dict[str, set[int]] = {}
-        self._finished: dict[str, set[int]] = {}
-        self._planned: dict[str, dict[int, int]] = {}  # task -> {pass: group size}
-        self._rewards: dict[str, deque[float]] = {}
-        self._barrier = barrier
-        self._barrier_since: float | None = None
-        self.waiting: str | None = None  # why new groups are held (the barrier), or None
-        # total_known() between changes: the driver asks twice a second, a week long (L2).
-        self._total: int | None = None
+        self.plan = SamplingPlan(cfg, barrier)
         self._read_results()
 
     # ----------------------------------------------------------------- public
@@ -492,142 +466,49 @@ class TaskLoader:
         """Tasks that could not be loaded at the last poll (path, field at fault, message)."""
         return list(self._problems)
 
+    @property
+    def waiting(self) -> str | None:
+        """Why new groups are held (the checkpoint barrier), or None."""
+        return self.plan.waiting
+
     def poll(self, refresh: bool = True) -> list[EpisodeSpec]:
         """Episodes to start now: rollouts of groups already planned (a resumed run's), and
         the next group of each task whose groups so far are final. ``refresh``: re-read the
         source first (the first poll always reads it; later ones only in service mode)."""
         if not self._polled or (refresh and self._service):
             self._refresh()
-            self._total = None
+            self.plan.changed()
         self._polled = True
-        specs: list[EpisodeSpec] = []
-        may_plan: bool | None = None  # the barrier, asked once per poll and only if needed
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            done = self._finished.setdefault(group, set())
-            handed = self._handed_out.setdefault(group, set())
-            planned = self._planned.setdefault(group, {})
-            if self._more_passes(planned) and all(
-                    set(self._rollouts(p, n)) <= done for p, n in planned.items()):
-                if may_plan is None:
-                    may_plan = self._may_plan()
-                if may_plan:
-                    planned[max(planned, default=-1) + 1] = self.rollouts_for(t.task_id,
-                                                                              t.domain)
-                    self._total = None
-            for p, n in planned.items():
-                for rollout in self._rollouts(p, n):
-                    if rollout in handed or rollout in done:
-                        continue
-                    handed.add(rollout)
-                    specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task,
-                                             pass_index=p, group_size=n))
-        return specs
+        return self.plan.hand_out(self._tasks)
 
     def exhausted(self) -> bool:
         """Nothing more will be handed out: not a service, every pass of every task
         planned and handed out (results may still be coming)."""
         if self._service or not self._polled:
             return False
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            if self._more_passes(planned):
-                return False
-            handed = self._handed_out.get(group, set()) | self._finished.get(group, set())
-            if any(not set(self._rollouts(p, n)) <= handed for p, n in planned.items()):
-                return False
-        return True
+        return self.plan.exhausted(self._tasks)
 
     def record_result(self, record: dict[str, Any]) -> None:
-        """An episode is final (a results.jsonl record): its rollout is done, its group may
-        be complete, and its reward, when scored, feeds the task's success-rate window (an
-        infra error's is not a score). A cancelled episode is not final: it runs again."""
-        if record.get("status") == "cancelled":
-            return
-        task_id, domain = record["task_id"], record["domain"]
-        self._finished.setdefault(f"{domain}/{task_id}", set()).add(int(record["rollout"]))
-        self._total = None
-        reward = record.get("reward")
-        if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
-            self._record_reward(task_id, domain, reward)
-
-    def _record_reward(self, task_id: str, domain: str, reward: float) -> None:
-        self._total = None  # the rate may change a task's rollout number
-        window = self._rewards.setdefault(
-            f"{domain}/{task_id}", deque(maxlen=self.cfg.dynamic_rollouts.window)
-        )
-        window.append(min(1.0, max(0.0, float(reward))))
+        """An episode is final (a results.jsonl record): the plan hears of it."""
+        self.plan.record_result(record)
 
     def success_rate(self, task_id: str, domain: str) -> float | None:
         """Mean reward of the task's recent episodes (``None`` before any)."""
-        window = self._rewards.get(f"{domain}/{task_id}")
-        return sum(window) / len(window) if window else None
+        return self.plan.success_rate(task_id, domain)
 
     def rollouts_for(self, task_id: str, domain: str) -> int:
-        """How many rollouts the task gets now: ``rollouts_per_task``, or fewer by DART's
-        formula when dynamic rollouts are on and the task's success rate is high."""
-        n = self.cfg.rollouts_per_task
-        dyn = self.cfg.dynamic_rollouts
-        rate = self.success_rate(task_id, domain)
-        if dyn.enabled and rate is not None:
-            reduced = dynamic_rollout_n(rate, threshold=dyn.threshold, min_n=dyn.min_n)
-            if reduced is not None:
-                n = min(n, reduced)
-        return n
+        """How many rollouts the task gets now (``SamplingPlan.rollouts_for``)."""
+        return self.plan.rollouts_for(task_id, domain)
 
     def total_known(self) -> int:
-        """Episodes of all tasks known so far, finished ones included (the progress total):
-        the groups planned, and for passes not planned yet the rollout number each task gets
-        now (with passes: 0, only what is planned); computed again only after a change."""
-        if self._total is not None:
-            return self._total
-        total = 0
-        passes = self.cfg.passes
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            rollouts = {r for p, n in planned.items() for r in self._rollouts(p, n)}
-            rollouts |= self._handed_out.get(group, set()) | self._finished.get(group, set())
-            unplanned = max(0, passes - len(planned)) if passes else 0
-            total += len(rollouts) + unplanned * self.rollouts_for(t.task_id, t.domain)
-        self._total = total
-        return total
+        """Episodes of all tasks known so far, finished ones included (the progress total)."""
+        return self.plan.total_known(self._tasks)
 
     def finished_before(self) -> int:
         """Episodes of known tasks already in ``results.jsonl`` when the loader started."""
-        return sum(len(self._finished.get(f"{t.domain}/{t.task_id}", ())) for t in self._tasks)
+        return self.plan.finished_of(self._tasks)
 
     # ----------------------------------------------------------------- internals
-
-    def _rollouts(self, pass_index: int, size: int) -> range:
-        start = pass_index * self.cfg.rollouts_per_task
-        return range(start, start + size)
-
-    def _more_passes(self, planned: dict[int, int]) -> bool:
-        return self.cfg.passes == 0 or len(planned) < self.cfg.passes
-
-    def _may_plan(self) -> bool:
-        """Ask the barrier whether new groups may start; past ``timeout_s`` they start
-        anyway (logged)."""
-        reason = self._barrier() if self._barrier is not None else None
-        if reason is None:
-            if self.waiting is not None:
-                logger.info("new groups start: %s no longer holds them", self.waiting)
-            self.waiting, self._barrier_since = None, None
-            return True
-        now = time.monotonic()
-        if self._barrier_since is None:
-            self._barrier_since = now
-            logger.info("new groups wait for the newest checkpoint: %s", reason)
-        self.waiting = f"waiting for the newest checkpoint: {reason}"
-        timeout = self.cfg.checkpoint_barrier.timeout_s
-        if timeout and now - self._barrier_since >= timeout:
-            logger.warning("new groups start after %.0fs although %s", timeout, reason)
-            self._barrier_since = now  # the next hand-out waits its own timeout again
-            self.waiting = None
-            return True
-        return False
 
     @staticmethod
     def _make_source(cfg: TasksConfig) -> _Source:
@@ -707,12 +588,11 @@ class TaskLoader:
         return cached[1]
 
     def _read_results(self) -> None:
-        """Resume: an episode is finished when its last line in results.jsonl (a rerun's
-        line supersedes an earlier one) has a final status: any but ``infra_error`` when
-        ``tasks.rerun_infra_errors`` (the default), any at all otherwise. Read as a stream:
-        what is kept is the last status and reward per episode, not the records."""
+        """Resume: each episode's last line in results.jsonl (a rerun's line supersedes an
+        earlier one) goes to the plan (``SamplingPlan.resume``). Read as a stream: what is
+        kept is the last status, reward and group per episode, not the records."""
         path = self.run_dir / RESULTS_FILE
-        last: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        last: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 for line in iter_jsonl_lines(f):
@@ -730,26 +610,7 @@ class TaskLoader:
                                  record.get("pass_index"), record.get("group_size"))
         except FileNotFoundError:
             return
-        rerun = self.cfg.rerun_infra_errors
-        stride = self.cfg.rollouts_per_task
-        for (domain, task_id, rollout), (status, reward, pass_index, size) in last.items():
-            group = f"{domain}/{task_id}"
-            # A group whose results say how big it was is planned again as it was (a run
-            # from before passes says nothing: its pass 0 is planned anew, as then).
-            if isinstance(size, int) and size > 0:
-                if not isinstance(pass_index, int) or pass_index < 0:
-                    pass_index = rollout // stride
-                if rollout not in self._rollouts(pass_index, size) or size > stride:
-                    raise ConfigError(
-                        f"{path}: rollout {rollout} of {group} is in pass {pass_index} of "
-                        f"{size} rollouts, which tasks.rollouts_per_task={stride} cannot "
-                        "place: resume it with the rollouts_per_task it was started with")
-                self._planned.setdefault(group, {})[pass_index] = size
-            if (rerun and status == "infra_error") or status == "cancelled":
-                continue  # runs again (a cancelled line is a cut straggler, never final)
-            self._finished.setdefault(group, set()).add(rollout)
-            if status in SCORED_STATUSES and isinstance(reward, int | float):
-                self._record_reward(task_id, domain, reward)
+        self.plan.resume(path, last)
 
     @staticmethod
     def _episode_key(record: Any) -> tuple[str, str, int]:
