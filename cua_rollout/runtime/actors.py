@@ -19,7 +19,8 @@ def send(method: Callable[..., Any], *args: Any, **kwargs: Any) -> Awaitable[Any
     """Send one call at once and return what to await for its answer: a Ray actor method's
     ``.remote`` (an awaitable ObjectRef), or a local method's coroutine scheduled as a task
     (so calls start in the order they are made, as Ray's do). A local method that answers
-    synchronously (``stats``) gives a future that is already done."""
+    synchronously (``stats``) gives a future that is already done. A Ray handle's answer is
+    the ObjectRef itself, so a synchronous driver may ``ray.get`` it with a timeout."""
     remote = getattr(method, "remote", None)
     if remote is not None:
         return cast(Awaitable[Any], remote(*args, **kwargs))
@@ -144,3 +145,6 @@ class CoordinatorClient(_Client):
 
     def cancel_all(self) -> Awaitable[int]:
         return send(self.target.cancel_all)
+
+    def shutdown(self) -> Awaitable[dict[str, Any]]:
+        return send(self.target.shutdown)
