@@ -9,10 +9,11 @@ Runs as an async Ray actor; its own work is bookkeeping only (no blocking I/O).
 
 Outages are waits, not results: an episode that ends because the model or the desktops are
 down (``EpisodeResult.outage``) goes back to the head of the queue without using an attempt,
-and that side's circuit breaker holds every new episode until a probe finds it back (capped,
-jittered backoff; the status line says what is waited for). An error no retry can fix
-(``fatal``: credentials, configuration, storage) stops dispatching and is handed to the driver,
-which ends the run with that one line; nothing of it is recorded, so a rerun resumes.
+and that side's circuit breaker (cua_rollout/runtime/outages.py) holds every new episode until
+a probe finds it back (capped, jittered backoff; the status line says what is waited for). An
+error no retry can fix (``fatal``: credentials, configuration, storage) stops dispatching and
+is handed to the driver, which ends the run with that one line; nothing of it is recorded, so
+a rerun resumes.
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import Config
@@ -34,6 +34,7 @@ from cua_rollout.core.aio import TaskSet, backoff_s
 from cua_rollout.core.errors import ConfigError, one_line
 from cua_rollout.core.types import EpisodeResult, EpisodeSpec, Status, infra_result
 from cua_rollout.runtime.actors import PoolClient, RunnerClient, StorageClient
+from cua_rollout.runtime.outages import Breakers
 from cua_rollout.runtime.runner import TrajectoryRunner, episode_deadline_s
 from cua_rollout.runtime.stats import RunStats
 
@@ -56,24 +57,6 @@ _ACTOR_CALL_TIMEOUT_S = 60.0
 _UNREACHABLE_GRACE_S = 30.0
 # Beyond an episode's own deadlines, how long the coordinator waits for its runner to answer.
 _RUNNER_WATCHDOG_MARGIN_S = 60.0
-
-
-@dataclass
-class _Breaker:
-    """One side of the service (the model endpoints, the desktops) seen from dispatching:
-    closed while it serves; open from the first outage until a probe finds it back."""
-
-    side: str
-    label: str                      # "model endpoints", "desktops"
-    open_since: float | None = None
-    status: str = ""                # the probe's figures, e.g. "0 live, 1 draining, 0 down"
-    outages: int = 0
-    waited_s: float = 0.0
-    closed_at: float = 0.0          # when it last came back
-
-    def line(self, now: float) -> str:
-        assert self.open_since is not None
-        return f"waiting for {self.label}: {self.status}, {now - self.open_since:.0f} s"
 
 
 @dataclass
@@ -124,9 +107,8 @@ class AgentCoordinator:
         self.run_stats = RunStats(cfg.monitoring.metrics_interval_s, model_state_dir,
                                   ray_metrics=cfg.monitoring.ray_metrics and use_ray,
                                   run_name=cfg.run.name)
-        self._breakers = {"model": _Breaker("model", "model endpoints"),
-                          "desktop": _Breaker("desktop", "desktops")}
-        self._model_probe: Any = None     # a ModelServicePool used for health probes only
+        self._breakers = Breakers(cfg, self._pool, model_state_dir, spawn=self._spawn,
+                                  on_back=self._changed, on_give_up=self._stop)
         self._fatal: str | None = None    # why the run must stop; handed to the driver
         self.runner_factory: Any = None   # in-process runners (tests): cfg, pool, ... -> runner
 
@@ -174,10 +156,8 @@ class AgentCoordinator:
             in_flight=len(self._in_flight),
             runners=sum(r.alive for r in self._runners),
             draining=self._draining,
-            waiting="; ".join(b.line(time.time()) for b in self._breakers.values()
-                              if b.open_since is not None) or None,
-            outages={b.side: {"count": b.outages, "waited_s": round(b.waited_s, 1)}
-                     for b in self._breakers.values()},
+            waiting=self._breakers.waiting(time.time()),
+            outages=self._breakers.outages(),
             fatal=self._fatal,
         )
 
@@ -226,8 +206,7 @@ class AgentCoordinator:
         """Stop the loops and the runners (after ``drain``). Returns final statistics."""
         await self._refresh_stats(write=True)
         await self._tasks.cancel_all()
-        if self._model_probe is not None:
-            await self._model_probe.close()
+        await self._breakers.aclose()
         await self.run_stats.aclose()
         runners = [r for r in self._runners if r.alive]
         await asyncio.gather(*(r.client.close() for r in runners),
@@ -263,7 +242,7 @@ class AgentCoordinator:
         """The episode to start now, if any (schedule, slot limit, draining)."""
         if self._draining or not self._queue or self._fatal is not None:
             return None
-        if any(b.open_since is not None for b in self._breakers.values()):
+        if self._breakers.any_open():
             return None  # a side is down: hold everything until its probe finds it back
         limit = self.cfg.coordinator.max_concurrent_episodes
         if len(self._in_flight) >= limit:
@@ -439,10 +418,7 @@ class AgentCoordinator:
             # A side of the service is down: a wait, not a result and not an attempt.
             self.counters["outage_requeues"] += 1
             self._queue.appendleft((spec, list(avoid_of(result))))
-            breaker = self._breakers.get(result.outage)
-            # An episode that began before the side came back saw the outage that ended.
-            if breaker is not None and result.started_at >= breaker.closed_at:
-                self._trip(result.outage, result.error or "")
+            self._breakers.trip_after(result.outage, result.started_at, result.error or "")
             return
         if (result.status == Status.INFRA_ERROR and result.retryable
                 and spec.attempt < cfg.max_retries):
@@ -531,63 +507,6 @@ class AgentCoordinator:
         self._draining = True
         self._changed()
 
-    # ----------------------------------------------------------------- outages
-
-    def _trip(self, side: str, reason: str) -> None:
-        """``side`` is down: hold new episodes until a probe finds it back."""
-        breaker = self._breakers[side]
-        if breaker.open_since is not None:
-            return
-        breaker.open_since = time.time()
-        breaker.outages += 1
-        breaker.status = "checking"
-        log.warning("%s down (%s): holding new episodes until they are back", breaker.label,
-                    reason)
-        self._spawn(self._recover(breaker))
-
-    async def _recover(self, breaker: _Breaker) -> None:
-        cfg = self.cfg.coordinator
-        checks = 0
-        while True:
-            if checks:  # the first check at once: the status line shows figures, not a guess
-                await asyncio.sleep(backoff_s(checks, cfg.outage_backoff_initial_s,
-                                              cfg.outage_backoff_max_s))
-            checks += 1
-            try:
-                back, breaker.status = await self._probe(breaker.side)
-            except Exception as exc:  # a probe that fails says the side is still down
-                back, breaker.status = False, f"probe failed: {one_line(exc)}"
-            assert breaker.open_since is not None
-            down_s = time.time() - breaker.open_since
-            if back:
-                breaker.waited_s += down_s
-                breaker.open_since = None
-                breaker.closed_at = time.time()
-                log.warning("%s back after %.0f s (%s)", breaker.label, down_s, breaker.status)
-                self._changed()
-                return
-            if cfg.outage_give_up_s and down_s >= cfg.outage_give_up_s:
-                self._stop(f"{breaker.label} down for {down_s:.0f} s "
-                           f"(coordinator.outage_give_up_s): {breaker.status}")
-                return
-
-    async def _probe(self, side: str) -> tuple[bool, str]:
-        if side == "model":
-            if self._model_probe is None:
-                from cua_rollout.model.service_pool import ModelServicePool
-
-                state = Path(self.model_state_dir) if self.model_state_dir else None
-                self._model_probe = ModelServicePool(self.cfg.model, state)
-            status = await asyncio.wait_for(self._model_probe.probe(), _STATS_TIMEOUT_S * 4)
-            return status.live > 0, str(status)
-        if self._pool is None:
-            return True, "no desktops (text tasks)"
-        stats = await asyncio.wait_for(self._pool.stats(), _STATS_TIMEOUT_S)
-        usable = sum(stats.get(k, 0) for k in ("free", "leased", "resetting"))
-        text = ", ".join(f"{stats.get(k, 0)} {k}" for k in ("free", "leased", "resetting",
-                                                            "quarantined", "starting"))
-        return usable > 0, text
-
     def _check_runners_fit(self) -> None:
         """Runners the cluster cannot schedule would stay pending with no error: say so at
         start (K, episodes per runner and the CPU reservation decide how many are needed)."""
@@ -644,7 +563,8 @@ class AgentCoordinator:
                 runner.last_stats = stats
                 if stats.get("model_waiting"):
                     # Episodes already wait out a model outage: hold new ones from now.
-                    self._trip("model", stats.get("model_outage") or "no endpoint is live")
+                    self._breakers.trip("model",
+                                         stats.get("model_outage") or "no endpoint is live")
         live_steps = sum(int(r.last_stats.get("steps", 0)) for r in self._runners if r.alive)
         await self.run_stats.refresh(results[0], {r.id: r.last_stats for r in runners},
                                      live_steps, scrape)
