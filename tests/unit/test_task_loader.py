@@ -18,7 +18,9 @@ import pytest
 
 from cua_rollout.config import DynamicRolloutsConfig, TasksConfig
 from cua_rollout.core.errors import ConfigError
-from cua_rollout.runtime.loader import EpisodeSpec, TaskLoader, validate_task
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.loader import TaskLoader
+from cua_rollout.runtime.task_sources import validate_task
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
