@@ -22,17 +22,21 @@ import asyncio
 import json
 import os
 import sys
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 from cua_rollout.cli.common import add_config_arguments, config_from_args
 from cua_rollout.config import Config
 from cua_rollout.core.errors import ConfigError, DesktopError, RolloutError
 from cua_rollout.core.files import read_json
 from cua_rollout.core.layout import RUN_FILE
+from cua_rollout.runtime.actors import PoolClient
 from cua_rollout.runtime.pool import pool_actor_name
 
 __all__ = ["main"]
+
+T = TypeVar("T")
 
 _COLUMNS = ("id", "state", "owner", "lease_age_s", "leases", "failures", "url", "provider",
             "last_error")
@@ -165,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pool = _live_pool(cfg)
     if args.command == "status":
-        rows = ray.get(pool.describe.remote()) if pool is not None else _offline_rows(cfg)
+        rows = _ask(pool, PoolClient.describe) if pool is not None else _offline_rows(cfg)
         if args.json:
             print(json.dumps({"live": pool is not None, "desktops": rows}, indent=1))
         else:
@@ -177,10 +181,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no live run named {cfg.run.name!r} in namespace {cfg.ray.namespace!r}",
               file=sys.stderr)
         return 1
-    method = {"release": pool.release_desktop, "quarantine": pool.quarantine,
-              "remove": pool.remove}[args.command]
+    method = {"release": PoolClient.release_desktop, "quarantine": PoolClient.quarantine,
+              "remove": PoolClient.remove}[args.command]
     try:
-        print(ray.get(method.remote(args.desktop)))
+        print(_ask(pool, lambda client: method(client, args.desktop)))
     except ray.exceptions.RayTaskError as exc:
         cause = exc.cause if isinstance(exc.cause, RolloutError) else exc
         print(f"error: {cause}", file=sys.stderr)
@@ -189,6 +193,16 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _ask(pool: Any, question: Callable[[PoolClient], Awaitable[T]]) -> T:
+    """One call to the live pool actor, awaited (its errors raised as ``ray.get`` raises
+    them: a ``RayTaskError`` that is also its cause)."""
+
+    async def answer() -> T:
+        return await question(PoolClient(pool))
+
+    return asyncio.run(answer())
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Keeps ``coordinator.max_concurrent_episodes`` episodes in flight over a pool of runner
 actors, retries infrastructure failures, replaces dead runners, and keeps the run's counters
-(metrics.jsonl samples and the Ray gauges).
+(through ``RunStats``, cua_rollout/runtime/stats.py: metrics.jsonl samples and the Ray
+gauges).
 
 ``schedule: rollout`` refills a slot the moment an episode ends; ``schedule: batch`` starts
 the next batch only when every episode of the current one (retries included) is done.
@@ -8,10 +9,11 @@ Runs as an async Ray actor; its own work is bookkeeping only (no blocking I/O).
 
 Outages are waits, not results: an episode that ends because the model or the desktops are
 down (``EpisodeResult.outage``) goes back to the head of the queue without using an attempt,
-and that side's circuit breaker holds every new episode until a probe finds it back (capped,
-jittered backoff; the status line says what is waited for). An error no retry can fix
-(``fatal``: credentials, configuration, storage) stops dispatching and is handed to the driver,
-which ends the run with that one line; nothing of it is recorded, so a rerun resumes.
+and that side's circuit breaker (cua_rollout/runtime/outages.py) holds every new episode until
+a probe finds it back (capped, jittered backoff; the status line says what is waited for). An
+error no retry can fix (``fatal``: credentials, configuration, storage) stops dispatching and
+is handed to the driver, which ends the run with that one line; nothing of it is recorded, so
+a rerun resumes.
 """
 
 from __future__ import annotations
@@ -25,19 +27,17 @@ import math
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import Config
-from cua_rollout.core.aio import TaskSet, backoff_s, call
+from cua_rollout.core.aio import TaskSet, backoff_s
 from cua_rollout.core.errors import ConfigError, one_line
-from cua_rollout.core.types import SCORED_STATUSES, EpisodeResult, EpisodeSpec, Status, infra_result
-from cua_rollout.model.fleet.state import fleet_summary
-from cua_rollout.model.server_metrics import ServerMetricsScraper
+from cua_rollout.core.types import EpisodeResult, EpisodeSpec, Status, infra_result
+from cua_rollout.runtime.actors import PoolClient, RunnerClient, StorageClient
 from cua_rollout.runtime.episode import episode_deadline_s
-from cua_rollout.runtime.monitoring import Metrics
+from cua_rollout.runtime.outages import Breakers
 from cua_rollout.runtime.runner import TrajectoryRunner
-from cua_rollout.runtime.utilization import UtilizationTracker
+from cua_rollout.runtime.stats import RunStats
 
 __all__ = ["AgentCoordinator"]
 
@@ -49,8 +49,6 @@ _STATS_INTERVAL_S = 1.0
 # A statistics call that takes longer than this is skipped (a busy or dying actor must not
 # hold up the coordinator).
 _STATS_TIMEOUT_S = 5.0
-# Each model server's /metrics must answer within this (a slow one is reported as down).
-_SCRAPE_TIMEOUT_S = 2.0
 # Extra concurrent calls a runner accepts beyond its episodes (stats, cancel).
 _RUNNER_SPARE_CALLS = 16
 # Calls to the storage and the pool that should answer at once.
@@ -63,27 +61,10 @@ _RUNNER_WATCHDOG_MARGIN_S = 60.0
 
 
 @dataclass
-class _Breaker:
-    """One side of the service (the model endpoints, the desktops) seen from dispatching:
-    closed while it serves; open from the first outage until a probe finds it back."""
-
-    side: str
-    label: str                      # "model endpoints", "desktops"
-    open_since: float | None = None
-    status: str = ""                # the probe's figures, e.g. "0 live, 1 draining, 0 down"
-    outages: int = 0
-    waited_s: float = 0.0
-    closed_at: float = 0.0          # when it last came back
-
-    def line(self, now: float) -> str:
-        assert self.open_since is not None
-        return f"waiting for {self.label}: {self.status}, {now - self.open_since:.0f} s"
-
-
-@dataclass
 class _Runner:
     id: str
     handle: Any
+    client: RunnerClient
     active: set[str] = field(default_factory=set)
     alive: bool = True
     last_stats: dict[str, Any] = field(default_factory=dict)
@@ -105,6 +86,8 @@ class AgentCoordinator:
         self.cfg = cfg
         self.desktop_pool = desktop_pool
         self.storage = storage
+        self._pool = PoolClient(desktop_pool) if desktop_pool is not None else None
+        self._storage = StorageClient(storage)
         self.model_state_dir = model_state_dir
         self.use_ray = use_ray
         self._queue: deque[tuple[EpisodeSpec, list[str]]] = deque()
@@ -122,21 +105,11 @@ class AgentCoordinator:
         self._idle: asyncio.Event | None = None
         self._draining = False
         self._cancelling = False
-        self._started_at = time.time()
-        self._metrics = Metrics(cfg.monitoring.ray_metrics and use_ray, run=cfg.run.name)
-        self.counters: Counter[str] = Counter()
-        self._rewards_sum = 0.0
-        self._rewards_n = 0
-        self._dead_runner_steps = 0
-        self._sample: dict[str, Any] = {}
-        self._step_history: deque[tuple[float, int]] = deque([(time.time(), 0)])
-        self._pool_stats: dict[str, Any] = {}
-        self._utilization = UtilizationTracker()
-        self._servers: ServerMetricsScraper | None = None   # the model servers' /metrics
-        self._servers_sample: dict[str, Any] | None = None
-        self._breakers = {"model": _Breaker("model", "model endpoints"),
-                          "desktop": _Breaker("desktop", "desktops")}
-        self._model_probe: Any = None     # a ModelServicePool used for health probes only
+        self.run_stats = RunStats(cfg.monitoring.metrics_interval_s, model_state_dir,
+                                  ray_metrics=cfg.monitoring.ray_metrics and use_ray,
+                                  run_name=cfg.run.name)
+        self._breakers = Breakers(cfg, self._pool, model_state_dir, spawn=self._spawn,
+                                  on_back=self._changed, on_give_up=self._stop)
         self._fatal: str | None = None    # why the run must stop; handed to the driver
         self.runner_factory: Any = None   # in-process runners (tests): cfg, pool, ... -> runner
 
@@ -173,27 +146,21 @@ class AgentCoordinator:
         finished, self._finished = self._finished, []
         return {"finished": finished, "stats": self.stats()}
 
+    @property
+    def counters(self) -> Counter[str]:
+        """The run's counters (kept by ``run_stats``)."""
+        return self.run_stats.counters
+
     def stats(self) -> dict[str, Any]:
-        return {
-            **self._sample,
-            "episodes_queued": len(self._queue),
-            "episodes_in_flight": len(self._in_flight),
-            "episodes_done": sum(self.counters[f"status_{s}"] for s in
-                                 (*SCORED_STATUSES, Status.INFRA_ERROR)),
-            "episodes_by_status": {s.removeprefix("status_"): n for s, n in self.counters.items()
-                                   if s.startswith("status_")},
-            "retries": self.counters["retries"],
-            "cut": self.counters["cut"],
-            "runners": sum(r.alive for r in self._runners),
-            "runners_replaced": self.counters["runners_died"],
-            "success_rate": self._success_rate(),
-            "draining": self._draining,
-            "waiting": "; ".join(b.line(time.time()) for b in self._breakers.values()
-                                 if b.open_since is not None) or None,
-            "outages": {b.side: {"count": b.outages, "waited_s": round(b.waited_s, 1)}
-                        for b in self._breakers.values()},
-            "fatal": self._fatal,
-        }
+        return self.run_stats.snapshot(
+            queued=len(self._queue),
+            in_flight=len(self._in_flight),
+            runners=sum(r.alive for r in self._runners),
+            draining=self._draining,
+            waiting=self._breakers.waiting(time.time()),
+            outages=self._breakers.outages(),
+            fatal=self._fatal,
+        )
 
     async def drain(self, cancel: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
         """Start nothing new; with ``cancel`` cancel what runs. Returns when no episode is in
@@ -214,7 +181,7 @@ class AgentCoordinator:
         self._draining = True
         self._cancelling = True
         counts = await asyncio.gather(
-            *(call(r.handle, "cancel") for r in self._runners if r.alive),
+            *(r.client.cancel() for r in self._runners if r.alive),
             return_exceptions=True,
         )
         return sum(c for c in counts if isinstance(c, int))
@@ -240,12 +207,10 @@ class AgentCoordinator:
         """Stop the loops and the runners (after ``drain``). Returns final statistics."""
         await self._refresh_stats(write=True)
         await self._tasks.cancel_all()
-        if self._model_probe is not None:
-            await self._model_probe.close()
-        if self._servers is not None:
-            await self._servers.aclose()
+        await self._breakers.aclose()
+        await self.run_stats.aclose()
         runners = [r for r in self._runners if r.alive]
-        await asyncio.gather(*(call(r.handle, "close") for r in runners),
+        await asyncio.gather(*(r.client.close() for r in runners),
                              return_exceptions=True)
         if self.use_ray:
             import ray
@@ -278,7 +243,7 @@ class AgentCoordinator:
         """The episode to start now, if any (schedule, slot limit, draining)."""
         if self._draining or not self._queue or self._fatal is not None:
             return None
-        if any(b.open_since is not None for b in self._breakers.values()):
+        if self._breakers.any_open():
             return None  # a side is down: hold everything until its probe finds it back
         limit = self.cfg.coordinator.max_concurrent_episodes
         if len(self._in_flight) >= limit:
@@ -332,7 +297,7 @@ class AgentCoordinator:
             ).remote(*args)
         else:
             handle = (self.runner_factory or TrajectoryRunner)(*args)
-        runner = _Runner(runner_id, handle)
+        runner = _Runner(runner_id, handle, RunnerClient(handle))
         self._runners.append(runner)
         self.counters["runners_started"] += 1
         return runner
@@ -343,7 +308,7 @@ class AgentCoordinator:
                 # The runner ends its own episodes at their deadlines; past those and a
                 # margin, the runner itself is stuck (a frozen loop, a pending actor).
                 result: EpisodeResult = await asyncio.wait_for(
-                    call(runner.handle, "run_episode", spec, avoid),
+                    runner.client.run_episode(spec, avoid),
                     episode_deadline_s(self.cfg) + _RUNNER_WATCHDOG_MARGIN_S)
             except asyncio.CancelledError:
                 raise
@@ -393,7 +358,7 @@ class AgentCoordinator:
         while time.monotonic() < deadline:
             try:
                 result = await asyncio.wait_for(
-                    call(runner.handle, "await_episode", spec.episode_id),
+                    runner.client.await_episode(spec.episode_id),
                     episode_deadline_s(self.cfg) + _RUNNER_WATCHDOG_MARGIN_S)
             except ActorUnavailableError:
                 attempt += 1
@@ -417,19 +382,18 @@ class AgentCoordinator:
             return
         runner.alive = False
         self._runners.remove(runner)  # dead runners are not kept (a week-long run)
-        self.counters["runners_died"] += 1
-        self._dead_runner_steps += int(runner.last_stats.get("steps", 0))
+        self.run_stats.runner_died(int(runner.last_stats.get("steps", 0)))
         log.warning("runner %s is dead (%s); its episodes are requeued", runner.id, why)
         if self.use_ray:
             import ray
 
             with contextlib.suppress(Exception):
                 ray.kill(runner.handle, no_restart=True)
-        if self.desktop_pool is None:  # a run of text tasks: no desktops to return
+        if self._pool is None:  # a run of text tasks: no desktops to return
             return
         try:
-            await asyncio.wait_for(call(self.desktop_pool, "release_owned", f"{runner.id}/",
-                                        True), _ACTOR_CALL_TIMEOUT_S)
+            await asyncio.wait_for(self._pool.release_owned(f"{runner.id}/", True),
+                                   _ACTOR_CALL_TIMEOUT_S)
         except Exception as exc:  # the pool reclaims them at lease_max_s at the latest
             log.error("returning the desktops of runner %s failed: %s", runner.id, exc)
 
@@ -455,15 +419,11 @@ class AgentCoordinator:
             # A side of the service is down: a wait, not a result and not an attempt.
             self.counters["outage_requeues"] += 1
             self._queue.appendleft((spec, list(avoid_of(result))))
-            breaker = self._breakers.get(result.outage)
-            # An episode that began before the side came back saw the outage that ended.
-            if breaker is not None and result.started_at >= breaker.closed_at:
-                self._trip(result.outage, result.error or "")
+            self._breakers.trip_after(result.outage, result.started_at, result.error or "")
             return
         if (result.status == Status.INFRA_ERROR and result.retryable
                 and spec.attempt < cfg.max_retries):
-            self.counters["retries"] += 1
-            self._metrics.retry()
+            self.run_stats.retried()
             log.info("episode %s attempt %d: %s; retrying", spec.episode_id, spec.attempt,
                      result.error)
             self._queue.appendleft((dataclasses.replace(spec, attempt=spec.attempt + 1),
@@ -478,11 +438,7 @@ class AgentCoordinator:
             self._batch_final += 1
             self._arm_batch_cut()
         self._finished.append(record)
-        self.counters[f"status_{result.status}"] += 1
-        if result.status in SCORED_STATUSES and result.reward is not None:
-            self._rewards_sum += result.reward
-            self._rewards_n += 1
-        self._metrics.episode(result.status, spec.domain)
+        self.run_stats.final(result.status, result.reward, spec.domain)
 
     # ----------------------------------------------------------------- stragglers
 
@@ -514,7 +470,7 @@ class AgentCoordinator:
                 by_runner.setdefault(self._in_flight[episode_id][1], []).append(episode_id)
         log.info("cutting %d straggler(s) of the batch: %s", len(self._cut), why)
         runners = {r.id: r for r in self._runners if r.alive}
-        await asyncio.gather(*(call(runners[rid].handle, "cancel", ids)
+        await asyncio.gather(*(runners[rid].client.cancel(ids)
                                for rid, ids in by_runner.items() if rid in runners),
                              return_exceptions=True)
         self._changed()
@@ -534,7 +490,7 @@ class AgentCoordinator:
         """Append the episode's results.jsonl line; False (and the run stops) when the
         storage cannot: the episode is then not in results.jsonl, so a rerun runs it again."""
         try:
-            await asyncio.wait_for(call(self.storage, "record_result", record),
+            await asyncio.wait_for(self._storage.record_result(record),
                                    _ACTOR_CALL_TIMEOUT_S)
         except asyncio.CancelledError:
             raise
@@ -551,63 +507,6 @@ class AgentCoordinator:
             log.error("stopping the run: %s", why)
         self._draining = True
         self._changed()
-
-    # ----------------------------------------------------------------- outages
-
-    def _trip(self, side: str, reason: str) -> None:
-        """``side`` is down: hold new episodes until a probe finds it back."""
-        breaker = self._breakers[side]
-        if breaker.open_since is not None:
-            return
-        breaker.open_since = time.time()
-        breaker.outages += 1
-        breaker.status = "checking"
-        log.warning("%s down (%s): holding new episodes until they are back", breaker.label,
-                    reason)
-        self._spawn(self._recover(breaker))
-
-    async def _recover(self, breaker: _Breaker) -> None:
-        cfg = self.cfg.coordinator
-        checks = 0
-        while True:
-            if checks:  # the first check at once: the status line shows figures, not a guess
-                await asyncio.sleep(backoff_s(checks, cfg.outage_backoff_initial_s,
-                                              cfg.outage_backoff_max_s))
-            checks += 1
-            try:
-                back, breaker.status = await self._probe(breaker.side)
-            except Exception as exc:  # a probe that fails says the side is still down
-                back, breaker.status = False, f"probe failed: {one_line(exc)}"
-            assert breaker.open_since is not None
-            down_s = time.time() - breaker.open_since
-            if back:
-                breaker.waited_s += down_s
-                breaker.open_since = None
-                breaker.closed_at = time.time()
-                log.warning("%s back after %.0f s (%s)", breaker.label, down_s, breaker.status)
-                self._changed()
-                return
-            if cfg.outage_give_up_s and down_s >= cfg.outage_give_up_s:
-                self._stop(f"{breaker.label} down for {down_s:.0f} s "
-                           f"(coordinator.outage_give_up_s): {breaker.status}")
-                return
-
-    async def _probe(self, side: str) -> tuple[bool, str]:
-        if side == "model":
-            if self._model_probe is None:
-                from cua_rollout.model.client import ModelServicePool
-
-                state = Path(self.model_state_dir) if self.model_state_dir else None
-                self._model_probe = ModelServicePool(self.cfg.model, state)
-            status = await asyncio.wait_for(self._model_probe.probe(), _STATS_TIMEOUT_S * 4)
-            return status.live > 0, str(status)
-        if self.desktop_pool is None:
-            return True, "no desktops (text tasks)"
-        stats = await asyncio.wait_for(call(self.desktop_pool, "stats"), _STATS_TIMEOUT_S)
-        usable = sum(stats.get(k, 0) for k in ("free", "leased", "resetting"))
-        text = ", ".join(f"{stats.get(k, 0)} {k}" for k in ("free", "leased", "resetting",
-                                                            "quarantined", "starting"))
-        return usable > 0, text
 
     def _check_runners_fit(self) -> None:
         """Runners the cluster cannot schedule would stay pending with no error: say so at
@@ -628,9 +527,6 @@ class AgentCoordinator:
                 f"(runner_num_cpus {cfg.runner_num_cpus:g}) but the cluster has {have:g}; "
                 "raise episodes_per_runner or lower runner_num_cpus")
 
-    def _success_rate(self) -> float | None:
-        return self._rewards_sum / self._rewards_n if self._rewards_n else None
-
     # ----------------------------------------------------------------- statistics
 
     async def _stats_loop(self) -> None:
@@ -647,108 +543,39 @@ class AgentCoordinator:
                 log.exception("statistics refresh failed")
 
     async def _refresh_stats(self, write: bool) -> None:
+        """Gather the pool's and the runners' figures into a new sample (the gauges get it;
+        ``write``: metrics.jsonl too, with the interval's utilization and the model
+        servers')."""
         runners = [r for r in self._runners if r.alive]
 
-        async def one(target: Any, method: str) -> Any:
-            if target is None:  # no desktop pool: a run of text tasks
+        async def one(client: PoolClient | RunnerClient | None) -> dict[str, Any] | None:
+            if client is None:  # no desktop pool: a run of text tasks
                 return None
             try:
-                return await asyncio.wait_for(call(target, method), _STATS_TIMEOUT_S)
+                return await asyncio.wait_for(client.stats(), _STATS_TIMEOUT_S)
             except Exception:  # a dying actor simply gives no statistics
                 return None
 
-        scrape = (asyncio.ensure_future(self._scrape_model_servers(runners)) if write
-                  else None)
-        results = await asyncio.gather(one(self.desktop_pool, "stats"),
-                                       *(one(r.handle, "stats") for r in runners))
-        if results[0] is not None:
-            self._pool_stats = results[0]
+        scrape = (asyncio.ensure_future(self.run_stats.scrape_model_servers(
+            [r.last_stats for r in runners])) if write else None)
+        results = await asyncio.gather(one(self._pool), *(one(r.client) for r in runners))
         for runner, stats in zip(runners, results[1:], strict=True):
             if stats is not None:
                 runner.last_stats = stats
                 if stats.get("model_waiting"):
                     # Episodes already wait out a model outage: hold new ones from now.
-                    self._trip("model", stats.get("model_outage") or "no endpoint is live")
-        steps = self._dead_runner_steps + sum(int(r.last_stats.get("steps", 0))
-                                              for r in self._runners if r.alive)
-        by_endpoint: Counter[str] = Counter()
-        for r in runners:
-            by_endpoint.update(r.last_stats.get("model_in_flight_by_endpoint") or {})
-        now = time.time()
-        # steps/s over the last metrics interval: a 1 s window would show the quantisation
-        # of a few steps per second (0, 2, 4 ...) rather than the rate.
-        self._step_history.append((now, steps))
-        while len(self._step_history) > 2 and (
-                now - self._step_history[1][0] >= self.cfg.monitoring.metrics_interval_s):
-            self._step_history.popleft()
-        first_t, first_steps = self._step_history[0]
-        rate = (steps - first_steps) / (now - first_t) if now > first_t else 0.0
-        pool = self._pool_stats
-        self._sample = {
-            "t": now,
-            "elapsed_s": round(now - self._started_at, 3),
-            "steps": steps,
-            "steps_per_s": round(max(0.0, rate), 4),
-            "desktops": {k: pool.get(k, 0) for k in ("free", "leased", "resetting",
-                                                      "quarantined", "starting")},
-            "desktop_resets": pool.get("resets", 0),
-            "model_in_flight": sum(by_endpoint.values()),
-            "model_in_flight_by_endpoint": dict(by_endpoint),
-            "step_time_s": _step_split([r.last_stats for r in runners]),
-        }
-        if write:
-            # The interval since the last written sample: the desktops' time split, actions
-            # per minute, the mean step split (cua_rollout/runtime/utilization.py); the model
-            # servers.
-            utilization = self._utilization.update(
-                time.monotonic(), pool.get("state_s"),
-                {r.id: r.last_stats for r in runners if r.last_stats})
-            if scrape is not None:
-                await scrape
-            self._servers_sample = {**(self._servers_sample or {}),
-                                    "utilization": utilization}
-        self._sample.update(self._servers_sample or {})
+                    self._breakers.trip("model",
+                                         stats.get("model_outage") or "no endpoint is live")
+        live_steps = sum(int(r.last_stats.get("steps", 0)) for r in self._runners if r.alive)
+        await self.run_stats.refresh(results[0], {r.id: r.last_stats for r in runners},
+                                     live_steps, scrape)
         sample = self.stats()
-        self._metrics.sample(sample)
+        self.run_stats.metrics.sample(sample)
         if write:
-            await call(self.storage, "write_metrics", sample)
-
-
-    async def _scrape_model_servers(self, runners: list[_Runner]) -> None:
-        """The model servers' own figures (vLLM's Prometheus ``/metrics``): requests running
-        and waiting, KV-cache use, tokens/s, queue and inference time; and the fleet's
-        replicas when its state directory is known. Never raises."""
-        try:
-            urls = sorted({url for r in runners
-                           for url in (r.last_stats.get("model_in_flight_by_endpoint") or {})})
-            if self._servers is None:
-                self._servers = ServerMetricsScraper(urls, timeout_s=_SCRAPE_TIMEOUT_S)
-            else:
-                self._servers.set_urls(urls)
-            found = await self._servers.scrape() if urls else []
-            sample: dict[str, Any] = {
-                "model_servers": {"endpoints": [u.to_dict() for u in found],
-                                  "summary": ServerMetricsScraper.summary(found)}
-                if found else None,
-                "fleet": fleet_summary(Path(self.model_state_dir))
-                if self.model_state_dir else None,
-            }
-        except Exception:  # statistics must never stop the run
-            log.exception("model server statistics failed")
-            return
-        self._servers_sample = {**(self._servers_sample or {}), **sample}
+            await self._storage.write_metrics(sample)
 
 
 def avoid_of(result: EpisodeResult) -> list[str]:
     """Desktops the next try of an episode should avoid: those its attempts ran on."""
     return list(dict.fromkeys(result.desktops_tried))
-
-
-def _step_split(stats: list[dict[str, Any]]) -> dict[str, float] | None:
-    """Mean model / env / overhead seconds per step over the live runners."""
-    steps = sum(int(s.get("steps", 0)) for s in stats)
-    if not steps:
-        return None
-    return {k: round(sum(float(s.get(k, 0.0)) for s in stats) / steps, 4)
-            for k in ("model_s", "env_s", "overhead_s")}
 

@@ -1,429 +1,41 @@
-"""Tasks to episode specs: reads the task source (an OSWorld task list, a JSONL file or a
-directory of task files), filters it, skips episodes already in the run's ``results.jsonl``,
-picks up new tasks in service mode and expands each task into a group of rollouts.
+"""Tasks to episode specs: reads the task source (cua_rollout/runtime/task_sources.py: an
+OSWorld task list, a JSONL file or a directory of task files), filters it, skips episodes
+already in the run's ``results.jsonl``, picks up new tasks in service mode; which rollouts of
+them start when is the sampling plan's (cua_rollout/runtime/sampling.py), which the loader
+feeds.
 
 Never touches Ray or desktops: ``TaskLoader.poll()`` is plain file I/O on the driver.
 """
 
 from __future__ import annotations
 
-import abc
-import json
 import logging
-import os
-import re
-import time
-from collections import deque
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import BenchmarkConfig, TasksConfig
-from cua_rollout.core.errors import ConfigError
-from cua_rollout.core.files import iter_jsonl, iter_jsonl_lines
+from cua_rollout.core.files import iter_jsonl_lines
 from cua_rollout.core.layout import RESULTS_FILE
-from cua_rollout.core.types import SCORED_STATUSES, EpisodeSpec
-from cua_rollout.text.benchmark import ItemProblem, text_task
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.sampling import SamplingPlan
+from cua_rollout.runtime.task_sources import (
+    BenchmarkSource,
+    SourceTask,
+    TaskProblem,
+    make_source,
+)
 
-__all__ = ["DEFAULT_DOMAIN", "EpisodeSpec", "TaskLoader", "TaskProblem", "dynamic_rollout_n",
-           "load_benchmark", "load_tasks",
-           "name_problem", "validate_task"]
+__all__ = ["TaskLoader", "load_benchmark", "load_tasks"]
 
 logger = logging.getLogger(__name__)
-
-DEFAULT_DOMAIN = "default"
-# int(9/sr - 7) must not drop a whole rollout to float error (9/0.6 is 15.000000000000002
-# but other rates land just below an integer).
-_FORMULA_EPS = 1e-9
-
-
-# --------------------------------------------------------------------------- public types
-
-
-@dataclass(frozen=True)
-class TaskProblem:
-    """A task that could not be loaded: the file (and line of a JSONL file), the field at
-    fault (``None`` when the whole file is unreadable) and what is wrong."""
-
-    path: Path
-    field: str | None
-    message: str
-    line: int | None = None
-
-    def __str__(self) -> str:
-        where = f"{self.path}:{self.line}" if self.line is not None else str(self.path)
-        return (
-            f"{where}: {self.field}: {self.message}" if self.field else f"{where}: {self.message}"
-        )
-
-
-def dynamic_rollout_n(success_rate: float, *, threshold: float, min_n: int) -> int | None:
-    """DART's rollout number for a task with this recent success rate, or ``None`` when the
-    rate is below ``threshold`` (then the configured number applies)."""
-    if success_rate < threshold or success_rate <= 0:
-        return None
-    return max(min_n, int(9 / success_rate - 7 + _FORMULA_EPS))
-
-
-# Task ids and domains name directories of the run (<run>/<domain>/<id>/<rollout>): one
-# path component each, never "." or "..", so no two tasks share a directory and none
-# leaves the run directory. OSWorld's ids (UUIDs) and domains (libreoffice_calc ...) fit.
-_NAME_RE = re.compile(r"[A-Za-z0-9._-]+")
-_NAME_MAX_CHARS = 128
-
-
-def name_problem(name: str) -> str | None:
-    """Why ``name`` cannot be a task id or domain (a directory of the run), or None."""
-    if name in (".", "..") or not _NAME_RE.fullmatch(name):
-        return (f"must be letters, digits, '.', '_' or '-' (one path component, not '.' "
-                f"or '..'), got {name!r}")
-    if len(name) > _NAME_MAX_CHARS:
-        return f"must be at most {_NAME_MAX_CHARS} characters, got {len(name)}"
-    return None
-
-
-def validate_task(
-    task: Any, *, path: Path, osworld: bool, line: int | None = None
-) -> list[TaskProblem]:
-    """Problems of one task dict. ``osworld``: ``evaluator`` is required (OSWorld task
-    files); otherwise only ``id`` and ``instruction`` are, and the others are type-checked
-    when present (``config`` may be missing: no setup steps, as OSWorld reads it)."""
-
-    def problem(name: str | None, message: str) -> TaskProblem:
-        return TaskProblem(path, name, message, line)
-
-    if not isinstance(task, dict):
-        return [problem(None, f"a task must be a JSON object, not {type(task).__name__}")]
-    problems: list[TaskProblem] = []
-    for name in ("id", "instruction"):
-        value = task.get(name)
-        if name not in task:
-            problems.append(problem(name, "missing"))
-        elif not isinstance(value, str) or not value.strip():
-            problems.append(problem(name, f"must be a non-empty string, got {value!r}"))
-    if (isinstance(task.get("id"), str) and task["id"].strip()
-            and (bad := name_problem(task["id"])) is not None):
-        problems.append(problem("id", bad))
-    if "domain" in task:
-        if not isinstance(task["domain"], str) or not task["domain"]:
-            problems.append(problem("domain",
-                                    f"must be a non-empty string, got {task['domain']!r}"))
-        elif (bad := name_problem(task["domain"])) is not None:
-            problems.append(problem("domain", bad))
-
-    # A task file without "config" has no setup steps (OSWorld reads it so).
-    if "config" not in task:
-        pass
-    elif not isinstance(task["config"], list):
-        problems.append(problem("config", f"must be a list, got {type(task['config']).__name__}"))
-    else:
-        for i, step in enumerate(task["config"]):
-            if not isinstance(step, dict):
-                problems.append(problem(f"config[{i}]", "a setup step must be an object"))
-            elif not isinstance(step.get("type"), str):
-                problems.append(problem(f"config[{i}].type", "missing or not a string"))
-            elif not isinstance(step.get("parameters", {}), dict):
-                problems.append(problem(f"config[{i}].parameters", "must be an object"))
-
-    if "evaluator" not in task:
-        if osworld:
-            problems.append(problem("evaluator", "missing"))
-    elif not isinstance(task["evaluator"], dict):
-        problems.append(problem("evaluator", "must be an object"))
-    else:
-        func = task["evaluator"].get("func")
-        ok = isinstance(func, str) or (
-            isinstance(func, list) and func and all(isinstance(f, str) for f in func)
-        )
-        if not ok:
-            problems.append(
-                problem("evaluator.func", f"must be a string or a list of strings, got {func!r}")
-            )
-    return problems
-
-
-# --------------------------------------------------------------------------- sources
-
-
-@dataclass(frozen=True)
-class _Task:
-    domain: str
-    task_id: str
-    task: dict[str, Any]
-    path: Path
-
-
-# Filter on (domain, task_id); task_id None asks "could any task of this domain pass?".
-_Wanted = Callable[[str, str | None], bool]
-_Signature = tuple[int, int]  # (mtime_ns, size): a file is re-read only when this changes
-
-
-def _signature(path: Path) -> _Signature | None:
-    try:
-        st = path.stat()
-    except OSError:
-        return None
-    return (st.st_mtime_ns, st.st_size)
-
-
-@dataclass
-class _Parsed:
-    signature: _Signature | None
-    tasks: list[_Task]
-    problems: list[TaskProblem]
-
-
-def _read_json(path: Path) -> tuple[Any, TaskProblem | None]:
-    try:
-        return json.loads(path.read_text(encoding="utf-8")), None
-    except FileNotFoundError:
-        return None, TaskProblem(path, None, "file not found")
-    except (OSError, UnicodeDecodeError) as exc:
-        return None, TaskProblem(path, None, f"cannot read: {exc}")
-    except json.JSONDecodeError as exc:
-        return None, TaskProblem(path, None, f"invalid JSON: {exc}")
-
-
-def _parse_task_file(path: Path, domain: str, expected_id: str | None) -> _Parsed:
-    signature = _signature(path)
-    if (bad := name_problem(domain)) is not None:
-        return _Parsed(signature, [], [TaskProblem(path, "domain", bad)])
-    data, problem = _read_json(path)
-    if problem is not None:
-        return _Parsed(signature, [], [problem])
-    problems = validate_task(data, path=path, osworld=True)
-    if not problems and expected_id is not None and data["id"] != expected_id:
-        problems.append(
-            TaskProblem(path, "id", f"is {data['id']!r} but the task list names {expected_id!r}")
-        )
-    if problems:
-        return _Parsed(signature, [], problems)
-    return _Parsed(signature, [_Task(domain, data["id"], data, path)], [])
-
-
-def _parse_jsonl(path: Path) -> _Parsed:
-    signature = _signature(path)
-    tasks: list[_Task] = []
-    problems: list[TaskProblem] = []
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        return _Parsed(signature, [], [TaskProblem(path, None, f"cannot read: {exc}")])
-    for line in iter_jsonl(text):
-        number, data = line.number, line.value
-        if line.error is not None:
-            problems.append(TaskProblem(path, None, f"invalid JSON: {line.error}", number))
-            continue
-        line_problems = validate_task(data, path=path, osworld=False, line=number)
-        if line_problems:
-            problems.extend(line_problems)
-            continue
-        tasks.append(_Task(data.get("domain", DEFAULT_DOMAIN), data["id"], data, path))
-    return _Parsed(signature, tasks, problems)
-
-
-class _Source(abc.ABC):
-    """One kind of task source; ``scan()`` returns the current tasks in source order and the
-    current problems, re-reading only files whose signature changed."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self._cache: dict[Path, _Parsed] = {}
-
-    def _cached_task_file(self, path: Path, domain: str, expected_id: str | None) -> _Parsed:
-        cached = self._cache.get(path)
-        signature = _signature(path)
-        if cached is None or cached.signature != signature or signature is None:
-            cached = _parse_task_file(path, domain, expected_id)
-            self._cache[path] = cached
-        return cached
-
-    def _scan_file(self, parse: Callable[[], _Parsed], wanted: _Wanted
-                   ) -> tuple[list[_Task], list[TaskProblem]]:
-        """A one-file source's wanted tasks and problems, parsed again only when the file's
-        signature changed."""
-        cached = self._cache.get(self.path)
-        if cached is None or cached.signature != _signature(self.path):
-            cached = parse()
-            self._cache[self.path] = cached
-        return [t for t in cached.tasks if wanted(t.domain, t.task_id)], list(cached.problems)
-
-    @abc.abstractmethod
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        """The source's tasks (in source order) and its problems, as they are now."""
-
-
-class _TaskListSource(_Source):
-    """OSWorld ``{domain: [ids]}`` with ``<examples_dir>/<domain>/<id>.json``."""
-
-    def __init__(self, path: Path, examples_dir: Path) -> None:
-        super().__init__(path)
-        self.examples_dir = examples_dir
-        self._list_signature: _Signature | None = None
-        self._entries: list[tuple[str, str]] = []
-        self._list_problem: TaskProblem | None = None
-        self._loaded_once = False
-
-    def _read_list(self) -> None:
-        signature = _signature(self.path)
-        if self._loaded_once and signature == self._list_signature:
-            return
-        data, problem = _read_json(self.path)
-        if problem is None:
-            problem = self._check_list(data)
-        if problem is not None:
-            if not self._loaded_once:
-                raise ConfigError(f"tasks.source: {problem}")
-            # A list being rewritten in place: keep the last good one until it parses again.
-            self._list_problem = problem
-            self._list_signature = signature
-            return
-        self._entries = [(domain, task_id) for domain, ids in data.items() for task_id in ids]
-        self._list_signature = signature
-        self._list_problem = None
-        self._loaded_once = True
-
-    def _check_list(self, data: Any) -> TaskProblem | None:
-        if not isinstance(data, dict):
-            return TaskProblem(self.path, None, "a task list must be an object {domain: [ids]}")
-        for domain, ids in data.items():
-            if not isinstance(ids, list) or not all(isinstance(i, str) and i for i in ids):
-                return TaskProblem(self.path, domain, "must be a list of task id strings")
-        return None
-
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        self._read_list()
-        tasks: list[_Task] = []
-        problems = [self._list_problem] if self._list_problem else []
-        for domain, task_id in self._entries:
-            if not wanted(domain, task_id):
-                continue  # filtered before reading: a big list costs a stat per wanted task
-            bad = [(f, m) for f, v in (("domain", domain), ("id", task_id))
-                   if (m := name_problem(v)) is not None]
-            if bad:  # never a path built from it: it could leave examples_dir
-                problems += [TaskProblem(self.path, f"{domain}: {f}", m) for f, m in bad]
-                continue
-            path = self.examples_dir / domain / f"{task_id}.json"
-            parsed = self._cached_task_file(path, domain, task_id)
-            tasks.extend(parsed.tasks)
-            problems.extend(parsed.problems)
-        return tasks, problems
-
-
-class _JsonlSource(_Source):
-    """A JSONL file, one task per line; domain from the task's ``domain`` or ``default``."""
-
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        return self._scan_file(lambda: _parse_jsonl(self.path), wanted)
-
-
-class _DirectorySource(_Source):
-    """A directory tree of task JSON files; a task's domain is its file's parent directory."""
-
-    def _files(self) -> Iterator[Path]:
-        for root, dirs, files in os.walk(self.path):
-            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-            for name in sorted(files):
-                # Hidden and temporary names are files still being written (temp + rename).
-                if name.endswith(".json") and not name.startswith("."):
-                    yield Path(root) / name
-
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        tasks: list[_Task] = []
-        problems: list[TaskProblem] = []
-        seen: set[Path] = set()
-        for path in self._files():
-            seen.add(path)
-            domain = path.parent.name
-            if not wanted(domain, None):
-                continue
-            parsed = self._cached_task_file(path, domain, None)
-            tasks.extend(t for t in parsed.tasks if wanted(t.domain, t.task_id))
-            problems.extend(parsed.problems)
-        for gone in set(self._cache) - seen:
-            del self._cache[gone]
-        return tasks, problems
-
-
-class _BenchmarkSource(_Source):
-    """A text benchmark (``tasks.benchmarks`` or a text-mode ``tasks.source``): a JSON list
-    or a JSONL file of ``{id, question, answer, metadata}`` items, its name the domain."""
-
-    def __init__(self, bench: BenchmarkConfig) -> None:
-        super().__init__(Path(bench.source))
-        self.bench = bench
-        if not self.path.is_file():
-            raise ConfigError(f"tasks: benchmark {self.path} does not exist")
-
-    def _parse(self) -> _Parsed:
-        path, bench = self.path, self.bench
-        signature = _signature(path)
-        try:
-            text = path.read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            return _Parsed(signature, [], [TaskProblem(path, None, f"cannot read: {exc}")])
-        numbered: list[tuple[int | None, str, Any]] = []  # (line, where, item)
-        problems: list[TaskProblem] = []
-        if path.suffix == ".jsonl":
-            for line in iter_jsonl(text):
-                if line.error is not None:
-                    problems.append(TaskProblem(path, None, f"invalid JSON: {line.error}",
-                                                line.number))
-                else:
-                    numbered.append((line.number, "", line.value))
-        else:
-            try:
-                data = json.loads(text)
-            except json.JSONDecodeError as exc:
-                return _Parsed(signature, [], [TaskProblem(path, None, f"invalid JSON: {exc}")])
-            if not isinstance(data, list):
-                return _Parsed(signature, [], [TaskProblem(
-                    path, None, "a JSON benchmark must be a list of items (or use .jsonl)")])
-            numbered = [(None, f"[{i}]", item) for i, item in enumerate(data)]
-        tasks: list[_Task] = []
-        for line, where, item in numbered:
-            try:
-                task = text_task(item, mode=bench.mode, benchmark=bench.domain,
-                                 metric=bench.metric, variant=bench.metric_variant,
-                                 tolerance=bench.numeric_tolerance)
-            except ItemProblem as exc:
-                field = f"{where}.{exc.field}" if where and exc.field else (exc.field or where
-                                                                             or None)
-                problems.append(TaskProblem(path, field, exc.message, line))
-                continue
-            if (bad := name_problem(task["id"])) is not None:
-                problems.append(TaskProblem(path, f"{where}.id" if where else "id", bad, line))
-                continue
-            tasks.append(_Task(bench.domain, task["id"], task, path))
-        return _Parsed(signature, tasks, problems)
-
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        return self._scan_file(self._parse, wanted)
-
-
-class _Sources(_Source):
-    """Several sources as one (the desktop source and the text benchmarks), in order."""
-
-    def __init__(self, sources: list[_Source]) -> None:
-        super().__init__(sources[0].path)
-        self.sources = sources
-
-    def scan(self, wanted: _Wanted) -> tuple[list[_Task], list[TaskProblem]]:
-        tasks: list[_Task] = []
-        problems: list[TaskProblem] = []
-        for source in self.sources:
-            found, bad = source.scan(wanted)
-            tasks += found
-            problems += bad
-        return tasks, problems
 
 
 def load_benchmark(bench: BenchmarkConfig
                    ) -> tuple[list[dict[str, Any]], list[TaskProblem]]:
     """Every item of a text benchmark as its task (``cua_rollout.text.benchmark.text_task``) and
     the problems of those that could not be read."""
-    tasks, problems = _BenchmarkSource(bench).scan(lambda domain, task_id: True)
+    tasks, problems = BenchmarkSource(bench).scan(lambda domain, task_id: True)
     return [t.task for t in tasks], problems
 
 
@@ -433,7 +45,7 @@ def load_tasks(source: Path, examples_dir: Path | None = None
     folder of task files) as ``(domain, task_id, task)``, and the problems of those that could
     not be read: what the loader sees, for tools that check a task set."""
     loader_cfg = TasksConfig(source=source, examples_dir=examples_dir)
-    tasks, problems = TaskLoader._make_source(loader_cfg).scan(lambda domain, task_id: True)
+    tasks, problems = make_source(loader_cfg).scan(lambda domain, task_id: True)
     return [(t.domain, t.task_id, t.task) for t in tasks], problems
 
 
@@ -444,17 +56,11 @@ class TaskLoader:
     """Hands out each episode of the configured tasks once.
 
     ``poll()`` returns the episodes not handed out before and not finished in
-    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other. A task is
-    sampled ``tasks.passes`` times (0: without end): each pass is a new group of rollouts,
-    planned when the task's previous group is final (every rollout has its result, fed in
-    with ``record_result``), its size ``rollouts_per_task`` or DART's dynamic number from the
-    success of the task's earlier episodes. Rollout ``i`` of pass ``p`` is rollout number
-    ``p * rollouts_per_task + i`` (its directory), so a resumed run finds each group again.
-    With ``poll_interval_s == 0`` the source is read once; in service mode ``poll(refresh=
-    True)`` re-reads it (only files whose mtime or size changed) and adds what is new.
-    ``barrier`` (newest checkpoint first) is asked before a hand-out plans new groups: None
-    lets them start, a reason holds them (``waiting`` says it). ``problems`` lists the tasks
-    that could not be loaded right now.
+    ``<run_dir>/results.jsonl``, the rollouts of one task next to each other, as its
+    ``SamplingPlan`` plans them (passes, group sizes, the checkpoint ``barrier``; results fed
+    in with ``record_result``). With ``poll_interval_s == 0`` the source is read once; in
+    service mode ``poll(refresh=True)`` re-reads it (only files whose mtime or size changed)
+    and adds what is new. ``problems`` lists the tasks that could not be loaded right now.
     """
 
     def __init__(self, cfg: TasksConfig, run_dir: Path,
@@ -466,23 +72,15 @@ class TaskLoader:
         # in is reported and skipped before any desktop or model time is spent on it.
         self._check = check
         self._checked: dict[tuple[str, str], tuple[dict[str, Any], list[Any]]] = {}
-        self._source = self._make_source(cfg)
+        self._source = make_source(cfg)
         self._domains = set(cfg.domains) if cfg.domains is not None else None
         self._task_ids = set(cfg.task_ids) if cfg.task_ids is not None else None
         self._service = cfg.poll_interval_s > 0
         self._polled = False
-        self._tasks: list[_Task] = []
+        self._tasks: list[SourceTask] = []
         self._problems: list[TaskProblem] = []
         self._logged: set[TaskProblem] = set()
-        self._handed_out: dict[str, set[int]] = {}
-        self._finished: dict[str, set[int]] = {}
-        self._planned: dict[str, dict[int, int]] = {}  # task -> {pass: group size}
-        self._rewards: dict[str, deque[float]] = {}
-        self._barrier = barrier
-        self._barrier_since: float | None = None
-        self.waiting: str | None = None  # why new groups are held (the barrier), or None
-        # total_known() between changes: the driver asks twice a second, a week long (L2).
-        self._total: int | None = None
+        self.plan = SamplingPlan(cfg, barrier)
         self._read_results()
 
     # ----------------------------------------------------------------- public
@@ -492,172 +90,49 @@ class TaskLoader:
         """Tasks that could not be loaded at the last poll (path, field at fault, message)."""
         return list(self._problems)
 
+    @property
+    def waiting(self) -> str | None:
+        """Why new groups are held (the checkpoint barrier), or None."""
+        return self.plan.waiting
+
     def poll(self, refresh: bool = True) -> list[EpisodeSpec]:
         """Episodes to start now: rollouts of groups already planned (a resumed run's), and
         the next group of each task whose groups so far are final. ``refresh``: re-read the
         source first (the first poll always reads it; later ones only in service mode)."""
         if not self._polled or (refresh and self._service):
             self._refresh()
-            self._total = None
+            self.plan.changed()
         self._polled = True
-        specs: list[EpisodeSpec] = []
-        may_plan: bool | None = None  # the barrier, asked once per poll and only if needed
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            done = self._finished.setdefault(group, set())
-            handed = self._handed_out.setdefault(group, set())
-            planned = self._planned.setdefault(group, {})
-            if self._more_passes(planned) and all(
-                    set(self._rollouts(p, n)) <= done for p, n in planned.items()):
-                if may_plan is None:
-                    may_plan = self._may_plan()
-                if may_plan:
-                    planned[max(planned, default=-1) + 1] = self.rollouts_for(t.task_id,
-                                                                              t.domain)
-                    self._total = None
-            for p, n in planned.items():
-                for rollout in self._rollouts(p, n):
-                    if rollout in handed or rollout in done:
-                        continue
-                    handed.add(rollout)
-                    specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task,
-                                             pass_index=p, group_size=n))
-        return specs
+        return self.plan.hand_out(self._tasks)
 
     def exhausted(self) -> bool:
         """Nothing more will be handed out: not a service, every pass of every task
         planned and handed out (results may still be coming)."""
         if self._service or not self._polled:
             return False
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            if self._more_passes(planned):
-                return False
-            handed = self._handed_out.get(group, set()) | self._finished.get(group, set())
-            if any(not set(self._rollouts(p, n)) <= handed for p, n in planned.items()):
-                return False
-        return True
+        return self.plan.exhausted(self._tasks)
 
     def record_result(self, record: dict[str, Any]) -> None:
-        """An episode is final (a results.jsonl record): its rollout is done, its group may
-        be complete, and its reward, when scored, feeds the task's success-rate window (an
-        infra error's is not a score). A cancelled episode is not final: it runs again."""
-        if record.get("status") == "cancelled":
-            return
-        task_id, domain = record["task_id"], record["domain"]
-        self._finished.setdefault(f"{domain}/{task_id}", set()).add(int(record["rollout"]))
-        self._total = None
-        reward = record.get("reward")
-        if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
-            self._record_reward(task_id, domain, reward)
-
-    def _record_reward(self, task_id: str, domain: str, reward: float) -> None:
-        self._total = None  # the rate may change a task's rollout number
-        window = self._rewards.setdefault(
-            f"{domain}/{task_id}", deque(maxlen=self.cfg.dynamic_rollouts.window)
-        )
-        window.append(min(1.0, max(0.0, float(reward))))
+        """An episode is final (a results.jsonl record): the plan hears of it."""
+        self.plan.record_result(record)
 
     def success_rate(self, task_id: str, domain: str) -> float | None:
         """Mean reward of the task's recent episodes (``None`` before any)."""
-        window = self._rewards.get(f"{domain}/{task_id}")
-        return sum(window) / len(window) if window else None
+        return self.plan.success_rate(task_id, domain)
 
     def rollouts_for(self, task_id: str, domain: str) -> int:
-        """How many rollouts the task gets now: ``rollouts_per_task``, or fewer by DART's
-        formula when dynamic rollouts are on and the task's success rate is high."""
-        n = self.cfg.rollouts_per_task
-        dyn = self.cfg.dynamic_rollouts
-        rate = self.success_rate(task_id, domain)
-        if dyn.enabled and rate is not None:
-            reduced = dynamic_rollout_n(rate, threshold=dyn.threshold, min_n=dyn.min_n)
-            if reduced is not None:
-                n = min(n, reduced)
-        return n
+        """How many rollouts the task gets now (``SamplingPlan.rollouts_for``)."""
+        return self.plan.rollouts_for(task_id, domain)
 
     def total_known(self) -> int:
-        """Episodes of all tasks known so far, finished ones included (the progress total):
-        the groups planned, and for passes not planned yet the rollout number each task gets
-        now (with passes: 0, only what is planned); computed again only after a change."""
-        if self._total is not None:
-            return self._total
-        total = 0
-        passes = self.cfg.passes
-        for t in self._tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            rollouts = {r for p, n in planned.items() for r in self._rollouts(p, n)}
-            rollouts |= self._handed_out.get(group, set()) | self._finished.get(group, set())
-            unplanned = max(0, passes - len(planned)) if passes else 0
-            total += len(rollouts) + unplanned * self.rollouts_for(t.task_id, t.domain)
-        self._total = total
-        return total
+        """Episodes of all tasks known so far, finished ones included (the progress total)."""
+        return self.plan.total_known(self._tasks)
 
     def finished_before(self) -> int:
         """Episodes of known tasks already in ``results.jsonl`` when the loader started."""
-        return sum(len(self._finished.get(f"{t.domain}/{t.task_id}", ())) for t in self._tasks)
+        return self.plan.finished_of(self._tasks)
 
     # ----------------------------------------------------------------- internals
-
-    def _rollouts(self, pass_index: int, size: int) -> range:
-        start = pass_index * self.cfg.rollouts_per_task
-        return range(start, start + size)
-
-    def _more_passes(self, planned: dict[int, int]) -> bool:
-        return self.cfg.passes == 0 or len(planned) < self.cfg.passes
-
-    def _may_plan(self) -> bool:
-        """Ask the barrier whether new groups may start; past ``timeout_s`` they start
-        anyway (logged)."""
-        reason = self._barrier() if self._barrier is not None else None
-        if reason is None:
-            if self.waiting is not None:
-                logger.info("new groups start: %s no longer holds them", self.waiting)
-            self.waiting, self._barrier_since = None, None
-            return True
-        now = time.monotonic()
-        if self._barrier_since is None:
-            self._barrier_since = now
-            logger.info("new groups wait for the newest checkpoint: %s", reason)
-        self.waiting = f"waiting for the newest checkpoint: {reason}"
-        timeout = self.cfg.checkpoint_barrier.timeout_s
-        if timeout and now - self._barrier_since >= timeout:
-            logger.warning("new groups start after %.0fs although %s", timeout, reason)
-            self._barrier_since = now  # the next hand-out waits its own timeout again
-            self.waiting = None
-            return True
-        return False
-
-    @staticmethod
-    def _make_source(cfg: TasksConfig) -> _Source:
-        benchmarks: list[_Source] = [_BenchmarkSource(b) for b in cfg.text_benchmarks()]
-        if not cfg.needs_desktops:
-            if not benchmarks:
-                raise ConfigError("tasks.source is not set: give a task list, a JSONL file or "
-                                  "a dir (or text benchmarks in tasks.benchmarks)")
-            return benchmarks[0] if len(benchmarks) == 1 else _Sources(benchmarks)
-        desktop = TaskLoader._desktop_source(cfg)
-        return _Sources([desktop, *benchmarks]) if benchmarks else desktop
-
-    @staticmethod
-    def _desktop_source(cfg: TasksConfig) -> _Source:
-        assert cfg.source is not None
-        source = Path(cfg.source)
-        if source.is_dir():
-            return _DirectorySource(source)
-        if not source.is_file():
-            raise ConfigError(f"tasks.source: {source} does not exist")
-        if source.suffix == ".jsonl":
-            return _JsonlSource(source)
-        examples = Path(cfg.examples_dir) if cfg.examples_dir else source.parent / "examples"
-        if not examples.is_dir():
-            raise ConfigError(
-                f"tasks.examples_dir: {examples} does not exist (task files of {source})"
-            )
-        loaded = _TaskListSource(source, examples)
-        loaded.scan(lambda domain, task_id: False)  # a broken list is a ConfigError up front
-        return loaded
 
     def _wanted(self, domain: str, task_id: str | None) -> bool:
         if self._domains is not None and domain not in self._domains:
@@ -666,7 +141,7 @@ class TaskLoader:
 
     def _refresh(self) -> None:
         tasks, problems = self._source.scan(self._wanted)
-        unique: list[_Task] = []
+        unique: list[SourceTask] = []
         first: dict[tuple[str, str], Path] = {}
         for t in tasks:
             key = (t.domain, t.task_id)
@@ -694,7 +169,7 @@ class TaskLoader:
                 self._logged.add(problem)
                 logger.warning("task skipped: %s", problem)
 
-    def _preflight(self, t: _Task) -> list[Any]:
+    def _preflight(self, t: SourceTask) -> list[Any]:
         """The checker's problems of a task, checked again only when its file changed (the
         source hands out a new dict then)."""
         if self._check is None:
@@ -707,12 +182,11 @@ class TaskLoader:
         return cached[1]
 
     def _read_results(self) -> None:
-        """Resume: an episode is finished when its last line in results.jsonl (a rerun's
-        line supersedes an earlier one) has a final status: any but ``infra_error`` when
-        ``tasks.rerun_infra_errors`` (the default), any at all otherwise. Read as a stream:
-        what is kept is the last status and reward per episode, not the records."""
+        """Resume: each episode's last line in results.jsonl (a rerun's line supersedes an
+        earlier one) goes to the plan (``SamplingPlan.resume``). Read as a stream: what is
+        kept is the last status, reward and group per episode, not the records."""
         path = self.run_dir / RESULTS_FILE
-        last: dict[tuple[str, str, int], tuple[Any, Any]] = {}
+        last: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
                 for line in iter_jsonl_lines(f):
@@ -730,26 +204,7 @@ class TaskLoader:
                                  record.get("pass_index"), record.get("group_size"))
         except FileNotFoundError:
             return
-        rerun = self.cfg.rerun_infra_errors
-        stride = self.cfg.rollouts_per_task
-        for (domain, task_id, rollout), (status, reward, pass_index, size) in last.items():
-            group = f"{domain}/{task_id}"
-            # A group whose results say how big it was is planned again as it was (a run
-            # from before passes says nothing: its pass 0 is planned anew, as then).
-            if isinstance(size, int) and size > 0:
-                if not isinstance(pass_index, int) or pass_index < 0:
-                    pass_index = rollout // stride
-                if rollout not in self._rollouts(pass_index, size) or size > stride:
-                    raise ConfigError(
-                        f"{path}: rollout {rollout} of {group} is in pass {pass_index} of "
-                        f"{size} rollouts, which tasks.rollouts_per_task={stride} cannot "
-                        "place: resume it with the rollouts_per_task it was started with")
-                self._planned.setdefault(group, {})[pass_index] = size
-            if (rerun and status == "infra_error") or status == "cancelled":
-                continue  # runs again (a cancelled line is a cut straggler, never final)
-            self._finished.setdefault(group, set()).add(rollout)
-            if status in SCORED_STATUSES and isinstance(reward, int | float):
-                self._record_reward(task_id, domain, reward)
+        self.plan.resume(path, last)
 
     @staticmethod
     def _episode_key(record: Any) -> tuple[str, str, int]:

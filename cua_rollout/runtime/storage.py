@@ -7,10 +7,9 @@ episode's files are written in call order and ``record_result`` (the results.jso
 lands after that episode's other files. The queues are bounded: a caller that awaits its
 call waits for room, which is the backpressure runners feel when the disk falls behind.
 
-The trainer's index (``cua_rollout.training``: episodes and groups in SQLite or PostgreSQL) is
-fed from the same results, after their line is written, by one index task that batches them
-into transactions; it never holds up a result, and a database that fails is retried with
-backoff (results.jsonl stays the source of truth; the next start re-syncs the index).
+Each results.jsonl line, once durable, goes to the storage's subscribers: the trainer's index
+(``IndexFeed``, cua_rollout/runtime/index_feed.py) is one; it never holds up a result
+(results.jsonl stays the source of truth; the next start re-syncs the index).
 
 The storage never lies: a write that fails (disk full, I/O error) is remembered for its
 episode's attempt; ``finish_episode`` answers with it, so the runner turns the episode into an
@@ -27,7 +26,7 @@ import logging
 import shutil
 import time
 import zlib
-from collections.abc import Awaitable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +35,6 @@ import aiofiles
 import aiofiles.os
 
 from cua_rollout.config import StorageConfig
-from cua_rollout.core.aio import backoff_s, call
 from cua_rollout.core.errors import StorageError
 from cua_rollout.core.files import (
     append_text,
@@ -56,6 +54,8 @@ from cua_rollout.core.layout import (
     TASK_CONFIG_FILE,
     TRAJ_FILE,
 )
+from cua_rollout.runtime.actors import StorageClient
+from cua_rollout.runtime.index_feed import IndexFeed
 
 __all__ = ["PART_BYTES", "EpisodeWriter", "StorageActor", "compact_results", "png_parts"]
 
@@ -64,9 +64,7 @@ log = logging.getLogger(__name__)
 # Size of the parts a screenshot is sent in (write_step): below Ray's inline limit for
 # call arguments (max_direct_call_object_size, 100 KiB by default) with room for framing.
 PART_BYTES = 64 * 1024
-# Results written to the index per transaction at most, and how long the end of a run waits
-# for a lagging index before it says how to catch it up.
-_INDEX_BATCH = 256
+# How long the end of a run waits for a lagging index before it says how to catch it up.
 _INDEX_DRAIN_S = 30.0
 # Writers per actor: episodes are hashed over them, so disk latency of one episode's file
 # does not hold up the others; 4 keeps the thread pool busy without reordering anything.
@@ -102,13 +100,11 @@ class StorageActor:
         self._root = self.run_dir.resolve()
         self._run_info: dict[str, Any] = {}
         self.counters = {"steps": 0, "screenshots": 0, "episodes": 0, "results": 0,
-                         "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0,
-                         "indexed": 0, "groups": 0, "index_errors": 0}
-        self._index: Any = None                       # cua_rollout.training.TrainingIndex
-        self._index_queue: asyncio.Queue[dict[str, Any]] | None = None
-        self._index_task: asyncio.Task[None] | None = None
-        self._index_write: asyncio.Future[Any] | None = None  # the last index transaction
-        self._index_pending = 0                       # records queued or being written
+                         "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0}
+        # Called with each record once its results.jsonl line is durable (never raising
+        # into the write: a subscriber's failure is logged).
+        self.subscribers: list[Callable[[dict[str, Any]], None]] = []
+        self.index_feed = IndexFeed(self.run_dir, self.cfg, on_error=self._index_error)
 
     # ----------------------------------------------------------------- run
 
@@ -138,7 +134,11 @@ class StorageActor:
             starts.append({k: previous.get(k) for k in ("started_at", "ended_at", "status")})
             self._run_info["previous_starts"] = starts
         await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
-        synced = await self._open_index() if self.cfg.index else None
+        synced = None
+        if self.cfg.index:
+            synced = await self.index_feed.open(str(self._run_info.get("run")
+                                                    or self.run_dir.name))
+            self.subscribers.append(self.index_feed.recorded)
         return {"results_tail_cut_bytes": cut, "results_compacted": compacted,
                 "index": synced}
 
@@ -146,11 +146,11 @@ class StorageActor:
         """Flush everything (the index for at most ``_INDEX_DRAIN_S``), then mark run.json
         ended with ``status``."""
         await self.flush()
-        if not await self._drain_index(_INDEX_DRAIN_S):
+        if not await self.index_feed.drain(_INDEX_DRAIN_S):
             log.error("storage: the index is %d episode(s) behind (%s); results.jsonl has "
                       "them: `python -m cua_rollout.training reindex %s` catches it up",
-                      self._index_pending, self.last_error, self.run_dir)
-            self._run_info["index_behind"] = self._index_pending
+                      self.index_feed.pending, self.last_error, self.run_dir)
+            self._run_info["index_behind"] = self.index_feed.pending
         self._run_info.update(ended_at=time.time(), status=status)
         if summary is not None:
             self._run_info["summary"] = summary
@@ -227,8 +227,9 @@ class StorageActor:
         await asyncio.gather(*futures)
 
     def stats(self) -> dict[str, Any]:
-        return {**self.counters, "queued": sum(q.qsize() for q in self._queues),
-                "index_pending": self._index_pending, "last_error": self.last_error}
+        return {**self.counters, **self.index_feed.counters,
+                "queued": sum(q.qsize() for q in self._queues),
+                "index_pending": self.index_feed.pending, "last_error": self.last_error}
 
     async def close(self) -> None:
         await self.flush()
@@ -237,81 +238,20 @@ class StorageActor:
         await asyncio.gather(*self._writers, return_exceptions=True)
         self._writers = []
         self._queues = []
-        if self._index_task is not None:
-            self._index_task.cancel()
-            await asyncio.gather(self._index_task, return_exceptions=True)
-            self._index_task = None
-        if self._index_write is not None:  # a transaction under way in its thread
-            await asyncio.gather(self._index_write, return_exceptions=True)
-            self._index_write = None
-        if self._index is not None:
-            await asyncio.to_thread(self._index.close)
-            self._index = None
+        await self.index_feed.close()
 
-    # ----------------------------------------------------------------- the index
+    # ----------------------------------------------------------------- subscribers
 
-    async def _open_index(self) -> dict[str, Any]:
-        """Open the trainer's index and bring it up to date with results.jsonl (a crash
-        between a line and its index write, a rerun, a deleted database). A database that
-        cannot be opened is a ``StorageError`` naming it: the run does not start."""
-        from cua_rollout.training import TrainingIndex, default_url, index_url
+    def _index_error(self, error: str) -> None:
+        self.last_error = error
 
-        url = index_url(self.cfg.database_url or default_url(self.run_dir),
-                        self.cfg.database_password_env)
-        try:
-            self._index = await asyncio.to_thread(TrainingIndex, url)
-            synced = await asyncio.to_thread(self._index.reindex, self.run_dir, self._run_name)
-        except Exception as exc:
-            raise StorageError(f"storage.database_url: the trainer's index cannot be used: "
-                               f"{exc}") from exc
-        self._index_queue = asyncio.Queue()
-        self._index_task = asyncio.create_task(self._index_writer())
-        return synced
-
-    @property
-    def _run_name(self) -> str:
-        return str(self._run_info.get("run") or self.run_dir.name)
-
-    async def _index_writer(self) -> None:
-        """Write queued results to the index, as many per transaction as are waiting; a
-        failing database is retried with backoff, never skipped."""
-        assert self._index_queue is not None
-        failures = 0
-        while True:
-            batch = [await self._index_queue.get()]
-            while len(batch) < _INDEX_BATCH and not self._index_queue.empty():
-                batch.append(self._index_queue.get_nowait())
-            while True:
-                # Shielded: a cancel (close) stops the wait, not the transaction in its
-                # thread, which close awaits before it closes the database's connections.
-                write = self._index_write = asyncio.ensure_future(asyncio.to_thread(
-                    self._index.record_episodes, self._run_name, str(self.run_dir), batch))
-                try:
-                    groups = await asyncio.shield(write)
-                    break
-                except Exception as exc:
-                    failures += 1
-                    self.counters["index_errors"] += 1
-                    self.last_error = f"index: {type(exc).__name__}: {exc}"
-                    if failures == 1:
-                        log.error("storage: %s (retrying; results.jsonl has the episodes)",
-                                  self.last_error)
-                    await asyncio.sleep(backoff_s(failures, 0.5, 30.0))
-            if failures:
-                log.info("storage: the index is written again")
-                failures = 0
-            self.counters["indexed"] += len(batch)
-            self.counters["groups"] += len(groups)
-            self._index_pending -= len(batch)
-
-    async def _drain_index(self, timeout_s: float) -> bool:
-        """Wait until every queued result is in the index; False after ``timeout_s``."""
-        deadline = time.monotonic() + timeout_s
-        while self._index_pending and self._index_task is not None:
-            if time.monotonic() >= deadline:
-                return False
-            await asyncio.sleep(0.02)
-        return True
+    def _published(self, record: dict[str, Any]) -> None:
+        """The record's line is durable: hand it to each subscriber."""
+        for subscriber in self.subscribers:
+            try:
+                subscriber(record)
+            except Exception:  # the line is written: a subscriber cannot undo that
+                log.exception("storage: a subscriber of results failed")
 
     # ----------------------------------------------------------------- internals
 
@@ -404,10 +344,7 @@ class StorageActor:
                 await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
                                         _dumps(record) + "\n", fsync=self.cfg.fsync)
             self.counters["results"] += 1
-            # A cancelled line (a cut straggler) is not final: the trainer sees its rerun.
-            if self._index_queue is not None and record.get("status") != "cancelled":
-                self._index_pending += 1
-                self._index_queue.put_nowait(record)
+            self._published(record)
             return
         if self._attempts.get(job.episode_id) != job.attempt:
             # A write of an attempt that was superseded (its runner died and the episode
@@ -538,30 +475,32 @@ class EpisodeWriter:
     instead of piling screenshots up in the runner's memory."""
 
     def __init__(self, storage: Any, episode_id: str, attempt: int) -> None:
-        self.storage = storage
+        self.storage = StorageClient(storage)
         self.episode_id = episode_id
         self.attempt = attempt
         self._pending: Awaitable[Any] | None = None
 
     async def begin(self, task: dict[str, Any]) -> None:
         """Start the attempt's directory (and wait until it is started)."""
-        await self._send("begin_episode", task)
+        await self.flush()
+        self._pending = self.storage.begin_episode(self.episode_id, self.attempt, task)
         await self.flush()
 
     async def step(self, record: dict[str, Any] | None, png_name: str | None = None,
                    png: bytes | None = None) -> None:
         """A traj.jsonl line and/or the screenshot ``png_name``."""
-        await self._send("write_step", record, png_name,
-                         *(png_parts(png) if png is not None and png_name else ()))
+        await self.flush()
+        self._pending = self.storage.write_step(
+            self.episode_id, self.attempt, record, png_name,
+            *(png_parts(png) if png is not None and png_name else ()))
 
     async def finish(self, record: dict[str, Any],
                      messages: list[dict[str, Any]] | None) -> str | None:
         """episode.json, result.txt and messages.json of the attempt, written; returns None,
         or the first write of the attempt that failed (its files are incomplete)."""
         await self.flush()
-        result: str | None = await call(self.storage, "finish_episode", self.episode_id,
-                                        self.attempt, record, messages)
-        return result
+        return await self.storage.finish_episode(self.episode_id, self.attempt, record,
+                                                 messages)
 
     async def flush(self) -> None:
         """Wait for the call in flight."""
@@ -569,6 +508,3 @@ class EpisodeWriter:
             pending, self._pending = self._pending, None
             await pending
 
-    async def _send(self, method: str, *args: Any) -> None:
-        await self.flush()
-        self._pending = call(self.storage, method, self.episode_id, self.attempt, *args)

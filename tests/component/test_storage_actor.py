@@ -146,12 +146,13 @@ async def test_results_reach_the_index_and_a_group_once_it_is_complete(tmp_path:
 
 
 async def test_a_failing_index_is_retried_and_loses_nothing(tmp_path: Path, monkeypatch):
-    import cua_rollout.runtime.storage as storage_actor
+    import cua_rollout.runtime.index_feed as index_feed
 
-    monkeypatch.setattr(storage_actor, "backoff_s", lambda *a, **k: 0.01)
+    monkeypatch.setattr(index_feed, "backoff_s", lambda *a, **k: 0.01)
     storage = StorageActor(tmp_path / "run")
     await storage.start_run({"run": "t"})
-    real, failures = storage._index.record_episodes, [2]
+    assert storage.index_feed.index is not None
+    real, failures = storage.index_feed.index.record_episodes, [2]
 
     def flaky(*args):
         if failures[0]:
@@ -159,7 +160,7 @@ async def test_a_failing_index_is_retried_and_loses_nothing(tmp_path: Path, monk
             raise OSError("database is gone")
         return real(*args)
 
-    storage._index.record_episodes = flaky
+    storage.index_feed.index.record_episodes = flaky  # type: ignore[method-assign]
     await storage.record_result(_group_record("d/t/0", 1.0))
     await storage.record_result(_group_record("d/t/1", 1.0))
     await storage.end_run("finished")

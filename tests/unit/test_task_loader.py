@@ -18,7 +18,9 @@ import pytest
 
 from cua_rollout.config import DynamicRolloutsConfig, TasksConfig
 from cua_rollout.core.errors import ConfigError
-from cua_rollout.runtime.loader import EpisodeSpec, TaskLoader, dynamic_rollout_n, validate_task
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.loader import TaskLoader
+from cua_rollout.runtime.task_sources import validate_task
 from tests.support import REPO_ROOT
 
 ROOT = REPO_ROOT
@@ -523,17 +525,7 @@ def test_unset_source_and_broken_list_are_config_errors(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- dynamic rollouts
-
-
-@pytest.mark.parametrize(("rate", "n"), [(0.6, 8), (0.75, 5), (0.9, 3), (1.0, 2)])
-def test_dynamic_rollout_formula(rate: float, n: int) -> None:
-    assert dynamic_rollout_n(rate, threshold=0.6, min_n=2) == n
-
-
-def test_dynamic_rollout_formula_below_threshold_and_floor() -> None:
-    assert dynamic_rollout_n(0.5, threshold=0.6, min_n=2) is None
-    assert dynamic_rollout_n(0.0, threshold=0.0, min_n=2) is None
-    assert dynamic_rollout_n(1.0, threshold=0.6, min_n=4) == 4
+# (the formula itself: tests/unit/test_sampling.py)
 
 
 @pytest.mark.parametrize(("wins", "n"), [(6, 8), (15, 5), (9, 3), (20, 2)])
