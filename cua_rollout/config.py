@@ -10,11 +10,12 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.http import host_entry, is_loopback
@@ -22,8 +23,10 @@ from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS
 
 __all__ = [
     "LEASE_MARGIN_S",
+    "MOVED_KEYS",
     "TASK_MODES",
     "TEXT_MODES",
+    "BackoffConfig",
     "BenchmarkConfig",
     "Config",
     "ContainerDesktopsConfig",
@@ -40,6 +43,7 @@ __all__ = [
     "PyToolConfig",
     "RagToolConfig",
     "RayConfig",
+    "Removed",
     "RunConfig",
     "RunnerConfig",
     "SamplingConfig",
@@ -64,6 +68,28 @@ LEASE_MARGIN_S = 60.0
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backoff_keys_default_to_their_use(cls, data: Any) -> Any:
+        # BackoffConfig has no defaults of its own: each use has its own (the field's
+        # default), and a key left out of one, e.g. ``--set model.backoff.max_s=3``, keeps it.
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            if field.annotation is BackoffConfig and isinstance(data.get(name), dict):
+                data = {**data, name: {**field.default.model_dump(), **data[name]}}
+        return data
+
+
+class BackoffConfig(_Section):
+    """A delay that grows: ``initial_s`` first, doubled each time up to ``max_s``. The
+    section holding one sets its defaults."""
+
+    initial_s: NonNegFloat
+    """The first delay."""
+    max_s: NonNegFloat
+    """The cap of the delay."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -269,10 +295,6 @@ class ModelConfig(_Section):
     ``run_model.py`` publishes carry their checkpoint's version."""
     scripted: bool = False
     """Serve the built-in scripted UI-TARS policy in-process instead (demo and tests, no GPU)."""
-    scripted_error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
-    """Scripted policy: chance of a wrong click or a premature ``finished`` per step."""
-    scripted_latency_s: NonNegFloat = 0.0
-    """Scripted policy: added latency per reply."""
     api_key_env: str | None = None
     """Name of the environment variable holding the API key (null: no key)."""
     sampling: SamplingConfig = SamplingConfig()
@@ -283,10 +305,9 @@ class ModelConfig(_Section):
     """Deadline to open a connection to an endpoint."""
     retries: Annotated[int, Field(ge=0)] = 5
     """Retries of a request after connection errors, timeouts and 5xx (4xx never retried)."""
-    backoff_initial_s: NonNegFloat = 0.5
-    """First retry delay; doubles per retry, with full jitter."""
-    backoff_max_s: NonNegFloat = 20.0
-    """Cap of the retry delay."""
+    backoff: BackoffConfig = BackoffConfig(initial_s=0.5, max_s=20.0)
+    """Delay before a retry: ``initial_s`` first, doubling per retry up to ``max_s``, with
+    full jitter."""
     outage_wait_s: NonNegFloat = 300.0
     """How long, in total, an episode waits for a model endpoint when none is live (all
     down, draining for a reload, or restarting). Its deadline stops meanwhile and no
@@ -355,10 +376,9 @@ class ModelPoolConfig(_Section):
     """Deadline for a replica to answer ``/health`` after start."""
     health_interval_s: PositiveFloat = 5.0
     """Supervision period."""
-    restart_backoff_initial_s: NonNegFloat = 2.0
-    """First delay before restarting a dead replica; doubles per consecutive death."""
-    restart_backoff_max_s: NonNegFloat = 120.0
-    """Cap of the restart delay."""
+    restart_backoff: BackoffConfig = BackoffConfig(initial_s=2.0, max_s=120.0)
+    """Delay before restarting a dead replica: ``initial_s`` first, doubling per consecutive
+    death up to ``max_s``."""
     reload_batch: PositiveInt = 1
     """Replicas drained and reloaded at a time during a rolling reload."""
     drain_timeout_s: PositiveFloat = 300.0
@@ -716,11 +736,9 @@ class CoordinatorConfig(_Section):
     """Retries of an episode after an infrastructure failure (never after an agent failure)."""
     runner_num_cpus: NonNegFloat = 0.25
     """Ray CPU reservation of one runner actor (they mostly wait on I/O)."""
-    outage_backoff_initial_s: PositiveFloat = 1.0
-    """While the model or the desktops are down, the first delay before checking again;
-    doubles per check, with full jitter."""
-    outage_backoff_max_s: PositiveFloat = 30.0
-    """Cap of that delay."""
+    outage_backoff: BackoffConfig = BackoffConfig(initial_s=1.0, max_s=30.0)
+    """While the model or the desktops are down, the delay before checking again:
+    ``initial_s`` first, doubling per check up to ``max_s``, with full jitter (both > 0)."""
     outage_give_up_s: NonNegFloat = 0.0
     """Stop the run (resumable, exit 1) when an outage lasts this long; 0 waits forever."""
 
@@ -729,6 +747,15 @@ class CoordinatorConfig(_Section):
         if self.batch_cutoff is not None and self.schedule != "batch":
             raise ValueError("coordinator.batch_cutoff cuts stragglers of synchronous batches: "
                              "set coordinator.schedule: batch (a rollout schedule has none)")
+        return self
+
+    @model_validator(mode="after")
+    def _outage_backoff_positive(self) -> CoordinatorConfig:
+        # A delay of 0 would check a down model or desktop pool in a busy loop.
+        backoff = self.outage_backoff
+        if not (backoff.initial_s > 0 and backoff.max_s > 0):
+            raise ValueError(f"coordinator.outage_backoff: initial_s and max_s must be greater "
+                             f"than 0, got {backoff.initial_s:g} and {backoff.max_s:g}")
         return self
 
 
@@ -952,6 +979,54 @@ class MonitoringConfig(_Section):
     """The experiment the run is logged under (the run's name names the tracker's run)."""
 
 
+class Removed(NamedTuple):
+    """A key that is gone from the schema, and why (in :data:`MOVED_KEYS`)."""
+
+    why: str
+
+
+_SCRIPTED_KNOB = ("a demo knob of the scripted policy, not of a run: serve the policy yourself "
+                  "(python -m cua_rollout.agents.scripted_policy --error-rate/--latency-s, or "
+                  "cua_rollout.cli.run.scripted_policy_server) and point model.endpoints at it")
+
+MOVED_KEYS: dict[type[BaseModel], dict[str, str | Removed]] = {
+    ModelConfig: {
+        "backoff_initial_s": "backoff.initial_s",
+        "backoff_max_s": "backoff.max_s",
+        "scripted_error_rate": Removed(_SCRIPTED_KNOB),
+        "scripted_latency_s": Removed(_SCRIPTED_KNOB),
+    },
+    ModelPoolConfig: {
+        "restart_backoff_initial_s": "restart_backoff.initial_s",
+        "restart_backoff_max_s": "restart_backoff.max_s",
+    },
+    CoordinatorConfig: {
+        "outage_backoff_initial_s": "outage_backoff.initial_s",
+        "outage_backoff_max_s": "outage_backoff.max_s",
+    },
+}
+"""Keys of earlier schemas, per section: where each went (relative to its section), or why it
+was removed. A config naming one fails with that, not with "unknown key" (``Config``)."""
+
+
+def _moved_keys(model: type[BaseModel], data: Any, prefix: str) -> list[str]:
+    """What the moved keys in ``data`` (a section of type ``model`` at ``prefix``) became."""
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for key, value in data.items():
+        moved = MOVED_KEYS.get(model, {}).get(key)
+        if isinstance(moved, Removed):
+            found.append(f"{prefix}{key} was removed: {moved.why}")
+        elif moved is not None:
+            found.append(f"{prefix}{key} moved: it is {prefix}{moved} now")
+        elif key in model.model_fields:
+            sub = _model_in(model.model_fields[key].annotation)
+            if sub is not None:
+                found += _moved_keys(sub, value, f"{prefix}{key}.")
+    return found
+
+
 class Config(_Section):
     """The whole configuration: one section per component."""
 
@@ -967,6 +1042,14 @@ class Config(_Section):
     storage: StorageConfig = StorageConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     text: TextConfig = TextConfig()
+
+    @model_validator(mode="before")
+    @classmethod
+    def _no_moved_keys(cls, data: Any) -> Any:
+        found = _moved_keys(cls, data, "")
+        if found:
+            raise PydanticCustomError("moved_key", "\n".join(found))
+        return data
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
@@ -1079,6 +1162,10 @@ def _format_errors(exc: ValidationError, where: str, overrides: list[str]) -> st
     overridden = {o.split("=", 1)[0].strip() for o in overrides}
     lines = []
     for err in exc.errors():
+        if err["type"] == "moved_key":  # one line per key, each starting with its path
+            lines += [f"  {line}{' (from --set)' if line.split()[0] in overridden else ''}"
+                      for line in err["msg"].splitlines()]
+            continue
         key = ".".join(str(p) for p in err["loc"]) or "<top level>"
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -1118,6 +1205,8 @@ def _field_annotation(parts: list[str], key: str, where: str) -> Any:
     model: type[BaseModel] = Config
     for depth, part in enumerate(parts):
         path = ".".join(parts[: depth + 1])
+        if part in MOVED_KEYS.get(model, {}):
+            return Any  # set as given: validation says where the key went
         if part not in model.model_fields:
             known = ", ".join(sorted(model.model_fields))
             raise ConfigError(f"--set {key}: unknown key {path!r} (known here: {known})")

@@ -41,17 +41,23 @@ from cua_rollout.core.errors import (
     one_line,
 )
 from cua_rollout.core.files import DirectoryLock, LockHeld
-from cua_rollout.core.http import error_text, is_loopback, redact_url, redact_urls
+from cua_rollout.core.http import (
+    ThreadedServer,
+    error_text,
+    is_loopback,
+    redact_url,
+    redact_urls,
+)
 from cua_rollout.core.layout import RUN_LOCK_FILE
 from cua_rollout.evaluation.preflight import TaskChecker
 from cua_rollout.model.fleet.child import PoolChild
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE
-from cua_rollout.runtime.loader import TaskLoader
+from cua_rollout.runtime.loader import TaskLoader, load_benchmark
 from cua_rollout.runtime.progress import Progress
 from cua_rollout.text.envs import check_text_modes
 
 __all__ = ["EXIT_FATAL", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "Actors", "main",
-           "print_summary", "run", "start_actors", "stop_actors"]
+           "print_summary", "run", "scripted_policy_server", "start_actors", "stop_actors"]
 
 log = logging.getLogger("run")
 
@@ -116,15 +122,30 @@ def _start_ray(cfg: Config) -> bool:
 
 
 def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
-    """Serve the scripted policy from this process; returns its URL."""
+    """Serve the scripted policy from this process (``model.scripted``); returns its URL."""
+    host = "127.0.0.1"
+    if cfg.ray.address is not None:
+        import ray
+
+        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
+    server = scripted_policy_server(cfg, host=host)
+    server.start()
+    stack.callback(server.stop)
+    return server.url
+
+
+def scripted_policy_server(cfg: Config, *, host: str = "127.0.0.1", error_rate: float = 0.0,
+                           latency_s: float = 0.0) -> ThreadedServer:
+    """The scripted policy for ``cfg``'s tasks (their reference solutions), as the demo's
+    ``model.scripted`` serves it: a ``ThreadedServer``, not started. Tests and benchmarks
+    that want wrong steps (``error_rate``, per step) or slow replies (``latency_s``, per
+    reply) serve it themselves and point ``model.endpoints`` at it."""
     from cua_rollout.agents.scripted_policy import (
         ScriptedPolicy,
         create_app,
         load_solutions,
         load_text_solutions,
     )
-    from cua_rollout.core.http import ThreadedServer
-    from cua_rollout.runtime.loader import load_benchmark
 
     roots: list[Path] = []
     if cfg.tasks.needs_desktops:
@@ -140,20 +161,11 @@ def _scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
         where = [*map(str, roots), *(str(b.source) for b in cfg.tasks.text_benchmarks())]
         raise FatalSetupError("model.scripted is set but no task of "
                               f"{', '.join(where)} has a reference_solution")
-    policy = ScriptedPolicy(solutions, error_rate=cfg.model.scripted_error_rate,
-                            seed=cfg.run.seed,
+    policy = ScriptedPolicy(solutions, error_rate=error_rate, seed=cfg.run.seed,
                             screen=(cfg.desktops.screen_width, cfg.desktops.screen_height),
                             text_solutions=text_solutions)
-    host = "127.0.0.1"
-    if cfg.ray.address is not None:
-        import ray
-
-        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
-    server = ThreadedServer(create_app(policy, latency_s=cfg.model.scripted_latency_s,
-                                       model_name=cfg.model.name), host=host)
-    server.start()
-    stack.callback(server.stop)
-    return server.url
+    return ThreadedServer(create_app(policy, latency_s=latency_s, model_name=cfg.model.name),
+                          host=host)
 
 
 def _probe_endpoints(cfg: Config) -> None:
