@@ -24,6 +24,9 @@ from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS
 __all__ = [
     "LEASE_MARGIN_S",
     "MOVED_KEYS",
+    "RAG_DEFAULT_MODEL",
+    "RAG_MAX_TOP_K",
+    "RAG_MODELS",
     "TASK_MODES",
     "TEXT_MODES",
     "BackoffConfig",
@@ -833,12 +836,13 @@ class PyToolConfig(_Section):
 
     timeout_s: PositiveFloat = 10.0
     """Wall-clock limit of one call; past it the snippet and all it started are killed."""
-    memory_mb: PositiveInt = 512
-    """Address-space limit of the snippet's processes."""
+    memory_mb: Annotated[int, Field(ge=64)] = 512
+    """Address-space limit of the snippet's processes (the interpreter alone needs ~30 MB)."""
     max_output_bytes: PositiveInt = 16384
     """Kept of each of stdout and stderr; a snippet writing far beyond it is killed."""
-    max_processes: PositiveInt = 32
-    """Processes the snippet may run at once (a fork bomb stops here)."""
+    max_processes: Annotated[int, Field(ge=2)] = 32
+    """Processes and threads the snippet may have at once, its interpreter included (a fork
+    bomb stops here)."""
     max_file_mb: PositiveInt = 64
     """Largest file the snippet may write."""
     max_scratch_mb: PositiveInt = 256
@@ -851,19 +855,39 @@ class PyToolConfig(_Section):
     """Where the episodes' scratch directories are made (null: the system's temp dir)."""
 
 
+RAG_MODELS: dict[str, int] = {
+    "wordllama/l2_supercat_256": 256,
+    "wordllama/l2_supercat_128": 128,
+    "wordllama/l2_supercat_64": 64,
+}
+"""The embedding models ``text.rag.model`` may name, and their dimensions: all three are the
+one 256-dimension model wordllama's wheel ships, the smaller ones its Matryoshka prefixes."""
+RAG_DEFAULT_MODEL = "wordllama/l2_supercat_256"
+"""The embedding model of ``text.rag.model: null``."""
+RAG_MAX_TOP_K = 20
+"""The most passages one retrieval returns."""
+
+
 class RagToolConfig(_Section):
-    """The ``rag`` mode's retrieval tool (cua_rollout/text/rag.py)."""
+    """The ``rag`` mode's retrieval tool (cua_rollout/text/rag.py). Frozen, so hashable: the
+    key of a process's shared retriever."""
+
+    model_config = ConfigDict(frozen=True)
 
     corpus: Path | None = None
-    """A JSONL file of ``{id, title?, text}`` passages, or a directory of .txt/.md files."""
-    top_k: PositiveInt = 3
+    """A JSONL file of ``{id, title?, text}`` passages, or a directory of .txt/.md files
+    (searched recursively, hidden names skipped)."""
+    top_k: Annotated[int, Field(ge=1, le=RAG_MAX_TOP_K)] = 3
     """Passages a search returns unless the call asks for another number."""
     model: str | None = None
-    """The embedding model (null: the bundled default; docs/text_modes.md)."""
-    chunk_chars: PositiveInt = 1200
-    """Longer texts are split at paragraph and sentence boundaries into chunks of this size."""
-    max_result_chars: PositiveInt = 4000
-    """Of passage text returned to the model per call."""
+    """The embedding model, one of ``RAG_MODELS`` (null: ``RAG_DEFAULT_MODEL``;
+    docs/text_modes.md)."""
+    chunk_chars: Annotated[int, Field(ge=100)] = 1200
+    """Longer texts are split at paragraph, then sentence, then word boundaries into chunks of
+    this size."""
+    max_result_chars: Annotated[int, Field(ge=100)] = 4000
+    """Of passage text returned to the model per call; the last passage that does not fit is
+    cut."""
     retrieval: Literal["hybrid", "dense", "bm25"] = "hybrid"
     """``dense``: the embedding model's cosine similarity; ``bm25``: shared words;
     ``hybrid``: a weighted sum of both (docs/text_modes.md)."""
@@ -871,6 +895,13 @@ class RagToolConfig(_Section):
     """``hybrid``: the weight of the dense score; BM25's is the rest."""
     cache_dir: Path | None = Path(".cache/rag")
     """Embeddings and index, cached by a hash of the corpus, model and chunking (null: none)."""
+
+    @model_validator(mode="after")
+    def _known_model(self) -> RagToolConfig:
+        if self.model is not None and self.model not in RAG_MODELS:
+            raise ValueError(f"text.rag.model: unknown embedding model {self.model!r}; known: "
+                             f"{', '.join(RAG_MODELS)}")
+        return self
 
 
 class WebToolConfig(_Section):

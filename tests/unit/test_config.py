@@ -155,7 +155,7 @@ text:
   judge: null
   py: {timeout_s: 3, memory_mb: 256, max_output_bytes: 1000, max_processes: 8, max_file_mb: 4,
        max_scratch_mb: 16, max_scratch_files: 100, tmp_mb: 8, scratch_root: /tmp/scratch}
-  rag: {corpus: corpus.jsonl, top_k: 2, model: some-model, chunk_chars: 500,
+  rag: {corpus: corpus.jsonl, top_k: 2, model: wordllama/l2_supercat_64, chunk_chars: 500,
         max_result_chars: 900, cache_dir: null, retrieval: bm25, dense_weight: 0.5}
   web: {backend: serper, search_url: "http://127.0.0.1:9/search", api_key_env: SERPER_KEY,
         serve_corpus: null, top_k: 2, request_timeout_s: 3, max_page_bytes: 1000,
