@@ -28,7 +28,8 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from cua_rollout.text.rag import RagSettings, Retriever  # noqa: E402
+from cua_rollout.config import RagToolConfig  # noqa: E402
+from cua_rollout.text.rag import Retriever  # noqa: E402
 from tests.doubles.rag_corpus import PARAPHRASES, PLANTED_ID, write_jsonl  # noqa: E402
 
 PLANTED_QUESTIONS = [
@@ -118,8 +119,8 @@ def main(argv: list[str] | None = None) -> None:
         sets["names"] = (people, names_set(people))
         for set_name, (corpus, questions) in sets.items():
             for label, retrieval, weight in rankings:
-                retriever = Retriever.build(RagSettings(corpus=corpus, retrieval=retrieval,
-                                                        dense_weight=weight))
+                retriever = Retriever.build(RagToolConfig(
+                    corpus=corpus, retrieval=retrieval, dense_weight=weight, cache_dir=None))
                 rows.append({"set": set_name, "ranking": label, "passages": retriever.size,
                              **measure(retriever, questions)})
     print(f"{'set':11} {'ranking':14} {'passages':>8} {'top-1':>9} {'top-5':>9} "

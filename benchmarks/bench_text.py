@@ -7,7 +7,8 @@ model and corpus server), one run per mode.
 
 Each run repeats its mode's demo benchmark (``tasks/text_demo/<mode>.jsonl``) ``--rollouts``
 times per item; ``--latency-s`` adds a model latency per reply (the scripted policy answers at
-once by default, so the figure is the service's and the tools' own cost). Episodes per minute
+once by default, so the figure is the service's and the tools' own cost; with a latency it is
+served from this process, ``model.scripted`` having no such knob). Episodes per minute
 are counted over the window from the first episode's start to the last one's end
 (results.jsonl), so Ray's start-up is left out; tool seconds are the mean and median per call
 from the episodes' traj.jsonl (py's demo includes a runaway loop killed at the 5 s limit).
@@ -17,6 +18,7 @@ Prints a table; ``--json`` writes it.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import subprocess
@@ -27,6 +29,13 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from cua_rollout.config import load_config  # noqa: E402
+from cua_rollout.runtime.launch import scripted_policy_server  # noqa: E402
+
+CONFIG = ROOT / "configs" / "text_demo.yaml"
 METRICS = {"math": "numeric_match", "py": "numeric_match", "rag": "contains_answer",
            "web": "contains_answer"}
 
@@ -35,19 +44,24 @@ def run_mode(mode: str, rollouts: int, concurrency: int, latency_s: float,
              tmp: Path) -> dict[str, Any]:
     bench = [{"source": str(ROOT / "tasks" / "text_demo" / f"{mode}.jsonl"), "mode": mode,
               "metric": METRICS[mode]}]
-    args = [sys.executable, str(ROOT / "run.py"), "--config",
-            str(ROOT / "configs" / "text_demo.yaml"),
-            "--set", f"run.output_dir={tmp}", "--set", f"run.name={mode}",
-            "--set", f"tasks.benchmarks={json.dumps(bench)}",
-            "--set", f"tasks.rollouts_per_task={rollouts}",
-            "--set", f"coordinator.max_concurrent_episodes={concurrency}",
-            "--set", f"coordinator.episodes_per_runner={concurrency}",
-            "--set", f"model.scripted_latency_s={latency_s}",
-            "--set", f"text.rag.cache_dir={tmp / 'rag-cache'}",
-            "--set", "ray.include_dashboard=false", "--set", "monitoring.progress_bar=false"]
-    started = time.monotonic()
-    done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-    wall = time.monotonic() - started
+    sets = [f"run.output_dir={tmp}", f"run.name={mode}", f"tasks.benchmarks={json.dumps(bench)}",
+            f"tasks.rollouts_per_task={rollouts}",
+            f"coordinator.max_concurrent_episodes={concurrency}",
+            f"coordinator.episodes_per_runner={concurrency}",
+            f"text.rag.cache_dir={tmp / 'rag-cache'}",
+            "ray.include_dashboard=false", "monitoring.progress_bar=false"]
+    with contextlib.ExitStack() as stack:
+        if latency_s:
+            with contextlib.chdir(ROOT):  # the config's relative paths, as run.py sees them
+                server = scripted_policy_server(load_config(CONFIG, sets), latency_s=latency_s)
+            stack.enter_context(server)
+            sets += ["model.scripted=false", f"model.endpoints={json.dumps([server.url])}"]
+        args = [sys.executable, str(ROOT / "run.py"), "--config", str(CONFIG)]
+        for s in sets:
+            args += ["--set", s]
+        started = time.monotonic()
+        done = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        wall = time.monotonic() - started
     if done.returncode != 0:
         raise SystemExit(f"{mode}: run.py exited {done.returncode}:\n{done.stderr[-2000:]}")
     run_dir = tmp / mode

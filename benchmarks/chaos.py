@@ -456,7 +456,7 @@ def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Des
     tasks = work / "tasks.jsonl"
     write_tasks(tasks, tasks_for(name, size))
     model: dict[str, Any] = {
-        "name": MODEL.model, "retries": 2, "backoff_initial_s": 0.2, "backoff_max_s": 1.0,
+        "name": MODEL.model, "retries": 2, "backoff": {"initial_s": 0.2, "max_s": 1.0},
         "request_timeout_s": 20, "connect_timeout_s": 2, "endpoint_failures_to_eject": 1,
         "reprobe_interval_s": 1, "outage_wait_s": size.model_wait_s,
     }
@@ -477,8 +477,8 @@ def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Des
                      "reset_timeout_s": 2 * size.desktop_timeout_s, "health_interval_s": 2,
                      "download_cache_dir": str(work / "cache")},
         "coordinator": {"max_concurrent_episodes": size.concurrency, "episodes_per_runner": 3,
-                        "runner_num_cpus": 0, "outage_backoff_initial_s": 0.5,
-                        "outage_backoff_max_s": 2},
+                        "runner_num_cpus": 0,
+                        "outage_backoff": {"initial_s": 0.5, "max_s": 2}},
         "runner": {"action_pause_s": 0, "wait_s": 0, "max_steps": 8, "episode_timeout_s": 120,
                    "evaluation_timeout_s": 30},
         "monitoring": {"progress_bar": False, "ray_metrics": False, "metrics_interval_s": 1},

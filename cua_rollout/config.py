@@ -10,11 +10,12 @@ import os
 import types
 import typing
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, NamedTuple
 from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic_core import PydanticCustomError
 
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.http import host_entry, is_loopback
@@ -23,15 +24,20 @@ from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS
 __all__ = [
     "LEASE_MARGIN_S",
     "MOVED_KEYS",
+    "RAG_DEFAULT_MODEL",
+    "RAG_MAX_TOP_K",
+    "RAG_MODELS",
     "TASK_MODES",
     "TEXT_MODES",
     "AgentConfig",
+    "BackoffConfig",
     "BenchmarkConfig",
     "Config",
     "ContainerDesktopsConfig",
     "CoordinatorConfig",
     "DesktopsConfig",
     "DynamicRolloutsConfig",
+    "Elsewhere",
     "EvaluationConfig",
     "KubernetesDesktopsConfig",
     "LocalDesktopsConfig",
@@ -42,6 +48,7 @@ __all__ = [
     "PyToolConfig",
     "RagToolConfig",
     "RayConfig",
+    "Removed",
     "RunConfig",
     "RunnerConfig",
     "SamplingConfig",
@@ -66,6 +73,28 @@ LEASE_MARGIN_S = 60.0
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_default=True)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _backoff_keys_default_to_their_use(cls, data: Any) -> Any:
+        # BackoffConfig has no defaults of its own: each use has its own (the field's
+        # default), and a key left out of one, e.g. ``--set model.backoff.max_s=3``, keeps it.
+        if not isinstance(data, dict):
+            return data
+        for name, field in cls.model_fields.items():
+            if field.annotation is BackoffConfig and isinstance(data.get(name), dict):
+                data = {**data, name: {**field.default.model_dump(), **data[name]}}
+        return data
+
+
+class BackoffConfig(_Section):
+    """A delay that grows: ``initial_s`` first, doubled each time up to ``max_s``. The
+    section holding one sets its defaults."""
+
+    initial_s: NonNegFloat
+    """The first delay."""
+    max_s: NonNegFloat
+    """The cap of the delay."""
 
 
 # --------------------------------------------------------------------------- sections
@@ -269,10 +298,6 @@ class ModelConfig(_Section):
     ``run_model.py`` publishes carry their checkpoint's version."""
     scripted: bool = False
     """Serve the built-in scripted UI-TARS policy in-process instead (demo and tests, no GPU)."""
-    scripted_error_rate: Annotated[float, Field(ge=0, le=1)] = 0.0
-    """Scripted policy: chance of a wrong click or a premature ``finished`` per step."""
-    scripted_latency_s: NonNegFloat = 0.0
-    """Scripted policy: added latency per reply."""
     api_key_env: str | None = None
     """Name of the environment variable holding the API key (null: no key)."""
     sampling: SamplingConfig = SamplingConfig()
@@ -283,10 +308,9 @@ class ModelConfig(_Section):
     """Deadline to open a connection to an endpoint."""
     retries: Annotated[int, Field(ge=0)] = 5
     """Retries of a request after connection errors, timeouts and 5xx (4xx never retried)."""
-    backoff_initial_s: NonNegFloat = 0.5
-    """First retry delay; doubles per retry, with full jitter."""
-    backoff_max_s: NonNegFloat = 20.0
-    """Cap of the retry delay."""
+    backoff: BackoffConfig = BackoffConfig(initial_s=0.5, max_s=20.0)
+    """Delay before a retry: ``initial_s`` first, doubling per retry up to ``max_s``, with
+    full jitter."""
     outage_wait_s: NonNegFloat = 300.0
     """How long, in total, an episode waits for a model endpoint when none is live (all
     down, draining for a reload, or restarting). Its deadline stops meanwhile and no
@@ -341,10 +365,9 @@ class ModelPoolConfig(_Section):
     """Deadline for a replica to answer ``/health`` after start."""
     health_interval_s: PositiveFloat = 5.0
     """Supervision period."""
-    restart_backoff_initial_s: NonNegFloat = 2.0
-    """First delay before restarting a dead replica; doubles per consecutive death."""
-    restart_backoff_max_s: NonNegFloat = 120.0
-    """Cap of the restart delay."""
+    restart_backoff: BackoffConfig = BackoffConfig(initial_s=2.0, max_s=120.0)
+    """Delay before restarting a dead replica: ``initial_s`` first, doubling per consecutive
+    death up to ``max_s``."""
     reload_batch: PositiveInt = 1
     """Replicas drained and reloaded at a time during a rolling reload."""
     drain_timeout_s: PositiveFloat = 300.0
@@ -703,11 +726,9 @@ class CoordinatorConfig(_Section):
     """Retries of an episode after an infrastructure failure (never after an agent failure)."""
     runner_num_cpus: NonNegFloat = 0.25
     """Ray CPU reservation of one runner actor (they mostly wait on I/O)."""
-    outage_backoff_initial_s: PositiveFloat = 1.0
-    """While the model or the desktops are down, the first delay before checking again;
-    doubles per check, with full jitter."""
-    outage_backoff_max_s: PositiveFloat = 30.0
-    """Cap of that delay."""
+    outage_backoff: BackoffConfig = BackoffConfig(initial_s=1.0, max_s=30.0)
+    """While the model or the desktops are down, the delay before checking again:
+    ``initial_s`` first, doubling per check up to ``max_s``, with full jitter (both > 0)."""
     outage_give_up_s: NonNegFloat = 0.0
     """Stop the run (resumable, exit 1) when an outage lasts this long; 0 waits forever."""
 
@@ -716,6 +737,15 @@ class CoordinatorConfig(_Section):
         if self.batch_cutoff is not None and self.schedule != "batch":
             raise ValueError("coordinator.batch_cutoff cuts stragglers of synchronous batches: "
                              "set coordinator.schedule: batch (a rollout schedule has none)")
+        return self
+
+    @model_validator(mode="after")
+    def _outage_backoff_positive(self) -> CoordinatorConfig:
+        # A delay of 0 would check a down model or desktop pool in a busy loop.
+        backoff = self.outage_backoff
+        if not (backoff.initial_s > 0 and backoff.max_s > 0):
+            raise ValueError(f"coordinator.outage_backoff: initial_s and max_s must be greater "
+                             f"than 0, got {backoff.initial_s:g} and {backoff.max_s:g}")
         return self
 
 
@@ -818,12 +848,13 @@ class PyToolConfig(_Section):
 
     timeout_s: PositiveFloat = 10.0
     """Wall-clock limit of one call; past it the snippet and all it started are killed."""
-    memory_mb: PositiveInt = 512
-    """Address-space limit of the snippet's processes."""
+    memory_mb: Annotated[int, Field(ge=64)] = 512
+    """Address-space limit of the snippet's processes (the interpreter alone needs ~30 MB)."""
     max_output_bytes: PositiveInt = 16384
     """Kept of each of stdout and stderr; a snippet writing far beyond it is killed."""
-    max_processes: PositiveInt = 32
-    """Processes the snippet may run at once (a fork bomb stops here)."""
+    max_processes: Annotated[int, Field(ge=2)] = 32
+    """Processes and threads the snippet may have at once, its interpreter included (a fork
+    bomb stops here)."""
     max_file_mb: PositiveInt = 64
     """Largest file the snippet may write."""
     max_scratch_mb: PositiveInt = 256
@@ -836,19 +867,39 @@ class PyToolConfig(_Section):
     """Where the episodes' scratch directories are made (null: the system's temp dir)."""
 
 
+RAG_MODELS: dict[str, int] = {
+    "wordllama/l2_supercat_256": 256,
+    "wordllama/l2_supercat_128": 128,
+    "wordllama/l2_supercat_64": 64,
+}
+"""The embedding models ``text.rag.model`` may name, and their dimensions: all three are the
+one 256-dimension model wordllama's wheel ships, the smaller ones its Matryoshka prefixes."""
+RAG_DEFAULT_MODEL = "wordllama/l2_supercat_256"
+"""The embedding model of ``text.rag.model: null``."""
+RAG_MAX_TOP_K = 20
+"""The most passages one retrieval returns."""
+
+
 class RagToolConfig(_Section):
-    """The ``rag`` mode's retrieval tool (cua_rollout/text/rag.py)."""
+    """The ``rag`` mode's retrieval tool (cua_rollout/text/rag.py). Frozen, so hashable: the
+    key of a process's shared retriever."""
+
+    model_config = ConfigDict(frozen=True)
 
     corpus: Path | None = None
-    """A JSONL file of ``{id, title?, text}`` passages, or a directory of .txt/.md files."""
-    top_k: PositiveInt = 3
+    """A JSONL file of ``{id, title?, text}`` passages, or a directory of .txt/.md files
+    (searched recursively, hidden names skipped)."""
+    top_k: Annotated[int, Field(ge=1, le=RAG_MAX_TOP_K)] = 3
     """Passages a search returns unless the call asks for another number."""
     model: str | None = None
-    """The embedding model (null: the bundled default; docs/text_modes.md)."""
-    chunk_chars: PositiveInt = 1200
-    """Longer texts are split at paragraph and sentence boundaries into chunks of this size."""
-    max_result_chars: PositiveInt = 4000
-    """Of passage text returned to the model per call."""
+    """The embedding model, one of ``RAG_MODELS`` (null: ``RAG_DEFAULT_MODEL``;
+    docs/text_modes.md)."""
+    chunk_chars: Annotated[int, Field(ge=100)] = 1200
+    """Longer texts are split at paragraph, then sentence, then word boundaries into chunks of
+    this size."""
+    max_result_chars: Annotated[int, Field(ge=100)] = 4000
+    """Of passage text returned to the model per call; the last passage that does not fit is
+    cut."""
     retrieval: Literal["hybrid", "dense", "bm25"] = "hybrid"
     """``dense``: the embedding model's cosine similarity; ``bm25``: shared words;
     ``hybrid``: a weighted sum of both (docs/text_modes.md)."""
@@ -856,6 +907,13 @@ class RagToolConfig(_Section):
     """``hybrid``: the weight of the dense score; BM25's is the rest."""
     cache_dir: Path | None = Path(".cache/rag")
     """Embeddings and index, cached by a hash of the corpus, model and chunking (null: none)."""
+
+    @model_validator(mode="after")
+    def _known_model(self) -> RagToolConfig:
+        if self.model is not None and self.model not in RAG_MODELS:
+            raise ValueError(f"text.rag.model: unknown embedding model {self.model!r}; known: "
+                             f"{', '.join(RAG_MODELS)}")
+        return self
 
 
 class WebToolConfig(_Section):
@@ -964,27 +1022,68 @@ class MonitoringConfig(_Section):
     """The experiment the run is logged under (the run's name names the tracker's run)."""
 
 
-# Keys that moved, old dotted path -> new one: a config that still uses one fails naming the
-# new key (YAML and --set alike), instead of "unknown key".
-MOVED_KEYS: dict[str, str] = {
-    "model.family": "agent.name",
-    **{f"model.{k}": f"agent.{k}" for k in ("min_pixels", "max_pixels", "constrain_actions")},
-    **{f"runner.{k}": f"agent.{k}" for k in (
+class Removed(NamedTuple):
+    """A key that is gone from the schema, and why (in :data:`MOVED_KEYS`)."""
+
+    why: str
+
+
+class Elsewhere(NamedTuple):
+    """A key that moved to another section: its whole new path (in :data:`MOVED_KEYS`)."""
+
+    key: str
+
+
+_SCRIPTED_KNOB = ("a demo knob of the scripted policy, not of a run: serve the policy yourself "
+                  "(python -m cua_rollout.agents.scripted_policy --error-rate/--latency-s, or "
+                  "cua_rollout.runtime.launch.scripted_policy_server) and point "
+                  "model.endpoints at it")
+
+MOVED_KEYS: dict[type[BaseModel], dict[str, str | Removed | Elsewhere]] = {
+    ModelConfig: {
+        "backoff_initial_s": "backoff.initial_s",
+        "backoff_max_s": "backoff.max_s",
+        "scripted_error_rate": Removed(_SCRIPTED_KNOB),
+        "scripted_latency_s": Removed(_SCRIPTED_KNOB),
+        # The agent's settings (cua_rollout/agents/) have a section of their own.
+        "family": Elsewhere("agent.name"),
+        **{k: Elsewhere(f"agent.{k}") for k in ("min_pixels", "max_pixels",
+                                                "constrain_actions")},
+    },
+    RunnerConfig: {k: Elsewhere(f"agent.{k}") for k in (
         "history_images", "history_texts", "max_parse_retries", "call_user",
         "call_user_max_waits", "prompt_call_user", "prompt_language", "prompt_note")},
+    ModelPoolConfig: {
+        "restart_backoff_initial_s": "restart_backoff.initial_s",
+        "restart_backoff_max_s": "restart_backoff.max_s",
+    },
+    CoordinatorConfig: {
+        "outage_backoff_initial_s": "outage_backoff.initial_s",
+        "outage_backoff_max_s": "outage_backoff.max_s",
+    },
 }
+"""Keys of earlier schemas, per section: where each went (relative to its section), or why it
+was removed. A config naming one fails with that, not with "unknown key" (``Config``)."""
 
 
-def _moved_key_problems(data: Any) -> list[str]:
-    """``old: moved to new`` for each key of ``data`` (a config mapping) that moved."""
-    problems = []
-    if isinstance(data, dict):
-        for old, new in MOVED_KEYS.items():
-            section, _, key = old.rpartition(".")
-            node = data.get(section) if section else data
-            if isinstance(node, dict) and key in node:
-                problems.append(f"{old} moved to {new}")
-    return problems
+def _moved_keys(model: type[BaseModel], data: Any, prefix: str) -> list[str]:
+    """What the moved keys in ``data`` (a section of type ``model`` at ``prefix``) became."""
+    if not isinstance(data, dict):
+        return []
+    found = []
+    for key, value in data.items():
+        moved = MOVED_KEYS.get(model, {}).get(key)
+        if isinstance(moved, Removed):
+            found.append(f"{prefix}{key} was removed: {moved.why}")
+        elif isinstance(moved, Elsewhere):
+            found.append(f"{prefix}{key} moved: it is {moved.key} now")
+        elif moved is not None:
+            found.append(f"{prefix}{key} moved: it is {prefix}{moved} now")
+        elif key in model.model_fields:
+            sub = _model_in(model.model_fields[key].annotation)
+            if sub is not None:
+                found += _moved_keys(sub, value, f"{prefix}{key}.")
+    return found
 
 
 class Config(_Section):
@@ -1007,9 +1106,9 @@ class Config(_Section):
     @model_validator(mode="before")
     @classmethod
     def _no_moved_keys(cls, data: Any) -> Any:
-        problems = _moved_key_problems(data)
-        if problems:
-            raise ValueError("; ".join(problems))
+        found = _moved_keys(cls, data, "")
+        if found:
+            raise PydanticCustomError("moved_key", "\n".join(found))
         return data
 
     @model_validator(mode="after")
@@ -1123,6 +1222,10 @@ def _format_errors(exc: ValidationError, where: str, overrides: list[str]) -> st
     overridden = {o.split("=", 1)[0].strip() for o in overrides}
     lines = []
     for err in exc.errors():
+        if err["type"] == "moved_key":  # one line per key, each starting with its path
+            lines += [f"  {line}{' (from --set)' if line.split()[0] in overridden else ''}"
+                      for line in err["msg"].splitlines()]
+            continue
         key = ".".join(str(p) for p in err["loc"]) or "<top level>"
         if err["type"] == "extra_forbidden":
             msg = "unknown key"
@@ -1146,8 +1249,6 @@ def _apply_override(data: dict[str, Any], item: str, where: str) -> None:
     parts = key.split(".")
     if not all(parts):
         raise ConfigError(f"--set {item!r}: empty part in key path {key!r}")
-    if key in MOVED_KEYS:
-        raise ConfigError(f"--set {key}: {key} moved to {MOVED_KEYS[key]}")
     annotation = _field_annotation(parts, key, where)
     node = data
     for depth, part in enumerate(parts[:-1]):
@@ -1164,6 +1265,8 @@ def _field_annotation(parts: list[str], key: str, where: str) -> Any:
     model: type[BaseModel] = Config
     for depth, part in enumerate(parts):
         path = ".".join(parts[: depth + 1])
+        if part in MOVED_KEYS.get(model, {}):
+            return Any  # set as given: validation says where the key went
         if part not in model.model_fields:
             known = ", ".join(sorted(model.model_fields))
             raise ConfigError(f"--set {key}: unknown key {path!r} (known here: {known})")

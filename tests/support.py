@@ -132,6 +132,21 @@ def run_py_command(config: Path, output_dir: Path, *sets: str) -> list[str]:
     return args
 
 
+@contextlib.contextmanager
+def slow_scripted_policy(config: str | os.PathLike[str], sets: list[str], latency_s: float
+                         ) -> Iterator[list[str]]:
+    """The scripted policy that ``model.scripted`` would serve for ``config`` with ``sets``,
+    served from this process with ``latency_s`` per reply (a run's config has no such knob):
+    yields the ``--set`` items pointing run.py at it instead."""
+    from cua_rollout.config import load_config
+    from cua_rollout.runtime.launch import scripted_policy_server
+
+    with contextlib.chdir(REPO_ROOT):  # the config's relative task paths, as run.py sees them
+        server = scripted_policy_server(load_config(config, sets), latency_s=latency_s)
+    with server:
+        yield ["model.scripted=false", f"model.endpoints={json.dumps([server.url])}"]
+
+
 def run_results(run_dir: Path) -> list[dict[str, Any]]:
     """The records of a run's results.jsonl."""
     import json

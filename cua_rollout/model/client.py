@@ -162,7 +162,7 @@ class ModelServicePool:
             if attempt:
                 self.retries += 1
                 await asyncio.sleep(backoff_s(
-                    attempt, self.cfg.backoff_initial_s, self.cfg.backoff_max_s, self._rng
+                    attempt, self.cfg.backoff.initial_s, self.cfg.backoff.max_s, self._rng
                 ))
             # An outage when None: waited out by the caller while wait_until_live probes.
             self.discovery.refresh()

@@ -41,6 +41,7 @@ from cua_rollout.core.http import (
 from cua_rollout.model.fleet.control import ENDPOINTS_PATH, ControlClient
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE, read_state
 from cua_rollout.model.fleet.watch import newest_not_served
+from cua_rollout.model.openai_server import OpenAIServer
 from cua_rollout.results.trackers import check_tracker, log_run
 from cua_rollout.runtime.coordinator import AgentCoordinator
 from cua_rollout.runtime.loader import load_benchmark
@@ -50,6 +51,7 @@ from cua_rollout.text.web_corpus import WebCorpusServer
 
 __all__ = ["CALL_TIMEOUT_S", "Actors", "absolute_paths", "checkpoint_barrier", "log_to_tracker",
            "probe_endpoints", "published_endpoints", "ray_cause", "scripted_endpoint",
+           "scripted_policy_server",
            "serve_web_corpus", "start_actors", "start_ray", "stop_actors", "tracker_uri",
            "uses_mode", "versions"]
 
@@ -109,8 +111,22 @@ def start_ray(cfg: Config) -> bool:
 
 
 def scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
-    """Serve the scripted policy from this process; returns its URL."""
+    """Serve the scripted policy from this process (``model.scripted``); returns its URL."""
+    host = "127.0.0.1"
+    if cfg.ray.address is not None:
+        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
+    server = scripted_policy_server(cfg, host=host)
+    server.start()
+    stack.callback(server.stop)
+    return server.url
 
+
+def scripted_policy_server(cfg: Config, *, host: str = "127.0.0.1", error_rate: float = 0.0,
+                           latency_s: float = 0.0) -> OpenAIServer:
+    """The scripted policy for ``cfg``'s tasks (their reference solutions), as the demo's
+    ``model.scripted`` serves it, not started. Tests and benchmarks that want wrong steps
+    (``error_rate``, per step) or slow replies (``latency_s``, per reply) serve it themselves
+    and point ``model.endpoints`` at it."""
     roots: list[Path] = []
     if cfg.tasks.needs_desktops:
         source = Path(cfg.tasks.source)  # type: ignore[arg-type]
@@ -125,19 +141,10 @@ def scripted_endpoint(cfg: Config, stack: ExitStack) -> str:
         where = [*map(str, roots), *(str(b.source) for b in cfg.tasks.text_benchmarks())]
         raise FatalSetupError("model.scripted is set but no task of "
                               f"{', '.join(where)} has a reference_solution")
-    policy = ScriptedPolicy(solutions, error_rate=cfg.model.scripted_error_rate,
-                            seed=cfg.run.seed,
+    policy = ScriptedPolicy(solutions, error_rate=error_rate, seed=cfg.run.seed,
                             screen=(cfg.desktops.screen_width, cfg.desktops.screen_height),
                             text_solutions=text_solutions)
-    host = "127.0.0.1"
-    if cfg.ray.address is not None:
-
-        host = ray.util.get_node_ip_address()  # runners on other nodes must reach it
-    server = scripted_server(policy, latency_s=cfg.model.scripted_latency_s,
-                             model_name=cfg.model.name, host=host)
-    server.start()
-    stack.callback(server.stop)
-    return server.url
+    return scripted_server(policy, latency_s=latency_s, model_name=cfg.model.name, host=host)
 
 
 def probe_endpoints(cfg: Config) -> None:

@@ -103,8 +103,8 @@ class Breakers:
         checks = 0
         while True:
             if checks:  # the first check at once: the status line shows figures, not a guess
-                await asyncio.sleep(backoff_s(checks, cfg.outage_backoff_initial_s,
-                                              cfg.outage_backoff_max_s))
+                await asyncio.sleep(backoff_s(checks, cfg.outage_backoff.initial_s,
+                                              cfg.outage_backoff.max_s))
             checks += 1
             try:
                 back, breaker.status = await self._probe(breaker.side)

@@ -22,7 +22,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from cua_rollout.config import TextConfig
+from cua_rollout.config import RagToolConfig, TextConfig, WebToolConfig
 from cua_rollout.core.errors import ConfigError, ToolError
 from cua_rollout.envs.contract import StepResult, ToolCall
 from cua_rollout.envs.tools import (
@@ -34,7 +34,7 @@ from cua_rollout.envs.tools import (
     ToolSpec,
 )
 
-__all__ = ["ToolEnv", "check_text_modes", "make_text_env", "rag_settings", "web_settings"]
+__all__ = ["ToolEnv", "check_text_modes", "make_text_env"]
 
 
 class ToolEnv:
@@ -107,60 +107,41 @@ def make_text_env(mode: str, cfg: TextConfig, *, name: str,
     if mode == "math":
         pass
     elif mode == "py":
-        from cua_rollout.text.sandbox import PythonTool, SandboxLimits
+        from cua_rollout.text.sandbox import PythonTool
 
-        py = cfg.py
-        tools.append(PythonTool(SandboxLimits(
-            timeout_s=py.timeout_s, memory_mb=py.memory_mb,
-            max_output_bytes=py.max_output_bytes, max_processes=py.max_processes,
-            max_file_mb=py.max_file_mb, max_scratch_mb=py.max_scratch_mb,
-            max_scratch_files=py.max_scratch_files, tmp_mb=py.tmp_mb),
-            scratch_root=py.scratch_root))
+        tools.append(PythonTool(cfg.py))
     elif mode == "rag":
         from cua_rollout.text.rag import RetrievalTool, shared_retriever
 
-        settings = rag_settings(cfg)
-        tools.append(RetrievalTool(shared_retriever(settings), settings))
+        rag = _rag_config(cfg)
+        tools.append(RetrievalTool(shared_retriever(rag), rag))
     elif mode == "web":
         from cua_rollout.text.web import FetchTool, SearchTool
 
-        settings = web_settings(cfg, web_search_url)
-        tools += [SearchTool(settings), FetchTool(settings)]  # each closes its own client
+        web = _web_config(cfg, web_search_url)
+        tools += [SearchTool(web), FetchTool(web)]  # each closes its own client
     else:
         raise ConfigError(f"unknown text mode {mode!r}")
     return ToolEnv(name, mode, tools, tool_timeout_s=cfg.tool_timeout_s)
 
 
-def rag_settings(cfg: TextConfig) -> Any:
-    """``text.rag`` as the retrieval module's settings."""
-    from cua_rollout.text.rag import RagSettings
-
-    rag = cfg.rag
-    if rag.corpus is None:
+def _rag_config(cfg: TextConfig) -> RagToolConfig:
+    """``text.rag``, which the rag mode needs a corpus in."""
+    if cfg.rag.corpus is None:
         raise ConfigError("text.rag.corpus is not set: the rag mode needs a corpus (a JSONL "
                           "file of passages or a directory of .txt/.md files)")
-    fields = {"corpus": rag.corpus, "top_k": rag.top_k, "chunk_chars": rag.chunk_chars,
-              "max_result_chars": rag.max_result_chars, "cache_dir": rag.cache_dir,
-              "retrieval": rag.retrieval, "dense_weight": rag.dense_weight}
-    if rag.model is not None:
-        fields["model"] = rag.model
-    return RagSettings(**fields)
+    return cfg.rag
 
 
-def web_settings(cfg: TextConfig, search_url: str | None = None) -> Any:
-    """``text.web`` as the web module's settings (``search_url``: the served corpus's)."""
-    from cua_rollout.text.web import WebSettings
-
+def _web_config(cfg: TextConfig, search_url: str | None = None) -> WebToolConfig:
+    """``text.web``, its ``search_url`` the served corpus's when given."""
     web = cfg.web
-    url = search_url or web.search_url
-    if web.backend == "corpus" and url is None:
+    if search_url:
+        web = web.model_copy(update={"search_url": search_url})
+    if web.backend == "corpus" and web.search_url is None:
         raise ConfigError("text.web: the corpus backend needs text.web.serve_corpus (a "
                           "directory of pages served for the run) or text.web.search_url")
-    return WebSettings(backend=web.backend, search_url=url, api_key_env=web.api_key_env,
-                       top_k=web.top_k, request_timeout_s=web.request_timeout_s,
-                       max_page_bytes=web.max_page_bytes, max_page_chars=web.max_page_chars,
-                       max_redirects=web.max_redirects, allow_private=web.allow_private,
-                       allow_hosts=tuple(web.allow_hosts))
+    return web
 
 
 def check_text_modes(cfg: Any) -> None:
@@ -177,13 +158,13 @@ def check_text_modes(cfg: Any) -> None:
         if problem is not None:
             raise ConfigError(f"tasks: the py mode's sandbox cannot run here: {problem}")
     if "rag" in modes:
-        corpus = rag_settings(cfg.text).corpus
-        if not corpus.exists():
+        corpus = _rag_config(cfg.text).corpus
+        if corpus is None or not corpus.exists():
             raise ConfigError(f"text.rag.corpus: {corpus} does not exist")
     if "web" in modes:
         web = cfg.text.web
         if web.serve_corpus is not None and not web.serve_corpus.is_dir():
             raise ConfigError(f"text.web.serve_corpus: {web.serve_corpus} is not a directory")
         if web.serve_corpus is None:
-            web_settings(cfg.text)
+            _web_config(cfg.text)
         secret_from_env(web.api_key_env, "text.web.api_key_env")

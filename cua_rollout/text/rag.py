@@ -64,6 +64,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from cua_rollout.config import RAG_DEFAULT_MODEL, RAG_MAX_TOP_K, RAG_MODELS, RagToolConfig
 from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
 from cua_rollout.envs.tools import ToolSpec, check_arguments
 from cua_rollout.text.bm25 import BM25Index
@@ -72,13 +73,8 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
 __all__ = [
-    "DEFAULT_MODEL",
     "HYBRID_DEPTH",
-    "MAX_TOP_K",
-    "MODELS",
-    "RETRIEVALS",
     "Passage",
-    "RagSettings",
     "RetrievalTool",
     "Retriever",
     "chunk_text",
@@ -87,65 +83,12 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-DEFAULT_MODEL = "wordllama/l2_supercat_256"
-MODELS: dict[str, int] = {
-    "wordllama/l2_supercat_256": 256,
-    "wordllama/l2_supercat_128": 128,
-    "wordllama/l2_supercat_64": 64,
-}
-"""The embedding models a corpus can be indexed with, and their dimensions: all three are the
-one 256-dimension model wordllama's wheel ships, the smaller ones its Matryoshka prefixes."""
-MAX_TOP_K = 20
-RETRIEVALS = ("hybrid", "dense", "bm25")
 HYBRID_DEPTH = 50
 """Candidates taken from each list (dense, BM25) that ``hybrid`` scores."""
 _INSTALL_HINT = "pip install -e .[text]"
 _CACHE_FORMAT = "rag-index-v1"
 _EMBED_BATCH = 256  # texts per gather: ~256 x 300 tokens x 1 KiB of float32 at most
 _TEXT_SUFFIXES = (".txt", ".md")
-
-
-@dataclass(frozen=True)
-class RagSettings:
-    """What the ``rag`` environment retrieves from and how. Hashable: the key of the
-    process-wide retriever cache."""
-
-    corpus: Path | None = None
-    """A JSONL file of ``{"id", "title"?, "text"}`` passages, or a directory of ``.txt`` and
-    ``.md`` files (searched recursively, hidden names skipped)."""
-    top_k: int = 3
-    """Passages returned when the model does not ask for a number."""
-    model: str = DEFAULT_MODEL
-    """One of :data:`MODELS`."""
-    chunk_chars: int = 1200
-    """Texts longer than this are split at paragraph, then sentence, then word boundaries."""
-    max_result_chars: int = 4000
-    """Length of the tool's whole reply; the last passage that does not fit is cut."""
-    cache_dir: Path | None = None
-    """Where built indexes are kept, by a hash of what they hold; ``None``: not kept."""
-    retrieval: str = "hybrid"
-    """One of :data:`RETRIEVALS`: ``dense`` (the embedding model), ``bm25`` (words) or
-    ``hybrid`` (a weighted sum of both scores, see :meth:`Retriever.search`)."""
-    dense_weight: float = 0.8
-    """``hybrid``: the weight of the normalized dense score (BM25's is the rest)."""
-
-    def __post_init__(self) -> None:
-        if not 0.0 <= self.dense_weight <= 1.0:
-            raise ConfigError("text.rag.dense_weight must be between 0 and 1, got "
-                              f"{self.dense_weight}")
-        if self.retrieval not in RETRIEVALS:
-            raise ConfigError(f"text.rag.retrieval: unknown retrieval {self.retrieval!r}; known: "
-                              f"{', '.join(RETRIEVALS)}")
-        if not 1 <= self.top_k <= MAX_TOP_K:
-            raise ConfigError(f"text.rag.top_k must be between 1 and {MAX_TOP_K}, got {self.top_k}")
-        if self.chunk_chars < 100:
-            raise ConfigError(f"text.rag.chunk_chars must be at least 100, got {self.chunk_chars}")
-        if self.max_result_chars < 100:
-            raise ConfigError("text.rag.max_result_chars must be at least 100, got "
-                              f"{self.max_result_chars}")
-        if self.model not in MODELS:
-            raise ConfigError(f"text.rag.model: unknown embedding model {self.model!r}; known: "
-                              f"{', '.join(MODELS)}")
 
 
 @dataclass(frozen=True)
@@ -301,7 +244,7 @@ def _read_directory(root: Path, limit: int) -> list[Passage]:
     return passages
 
 
-def _read_corpus(settings: RagSettings) -> list[Passage]:
+def _read_corpus(settings: RagToolConfig) -> list[Passage]:
     if settings.corpus is None:
         raise ConfigError("text.rag.corpus is not set: a JSONL file of {id, title, text} passages "
                           "or a directory of .txt/.md files")
@@ -372,9 +315,9 @@ def _load_embedder(name: str) -> _StaticEmbedder:
         found = _embedders.get(name)
         if found is not None:
             return found
-        if name not in MODELS:
+        if name not in RAG_MODELS:
             raise ConfigError(f"text.rag.model: unknown embedding model {name!r}; known: "
-                              f"{', '.join(MODELS)}")
+                              f"{', '.join(RAG_MODELS)}")
         root = _package_dir("wordllama")
         try:
             from safetensors.numpy import load_file
@@ -392,7 +335,7 @@ def _load_embedder(name: str) -> _StaticEmbedder:
                                   f"{root}: {exc}") from exc
         tokenizer.no_padding()
         tokenizer.no_truncation()
-        dim = MODELS[name]
+        dim = RAG_MODELS[name]
         vectors = np.ascontiguousarray(tensors["embedding.weight"][:, :dim], dtype=np.float32)
         embedder = _StaticEmbedder(name, vectors, tokenizer,
                                    importlib.metadata.version("wordllama"))
@@ -411,7 +354,7 @@ def _import_faiss() -> Any:
 
 # --- the retriever ----------------------------------------------------------------------------
 
-def _cache_key(embedder: _StaticEmbedder, settings: RagSettings,
+def _cache_key(embedder: _StaticEmbedder, settings: RagToolConfig,
                passages: Sequence[Passage]) -> str:
     digest = hashlib.sha256()
     header = [_CACHE_FORMAT, embedder.name, embedder.version, settings.chunk_chars]
@@ -439,7 +382,7 @@ class Retriever:
         self._faiss = _import_faiss()
         self._embedder = embedder
         self.retrieval = retrieval
-        """How :meth:`search` ranks (``RagSettings.retrieval``)."""
+        """How :meth:`search` ranks (``RagToolConfig.retrieval``)."""
         self.dense_weight = dense_weight
         self._words = (BM25Index(_document(p) for p in self._passages)
                        if retrieval != "dense" else None)
@@ -449,12 +392,12 @@ class Retriever:
         """Time :meth:`build` took (reading, chunking, embedding or loading, indexing)."""
 
     @classmethod
-    def build(cls, settings: RagSettings) -> Retriever:
+    def build(cls, settings: RagToolConfig) -> Retriever:
         """Read, chunk, embed and index the corpus of ``settings``, or read the index from
         its cache. Synchronous and CPU-bound (~3 s for 10,000 passages): run it in a thread."""
         started = time.perf_counter()
         passages = _read_corpus(settings)
-        embedder = _load_embedder(settings.model)
+        embedder = _load_embedder(settings.model or RAG_DEFAULT_MODEL)
         faiss = _import_faiss()
         cache_file: Path | None = None
         index = None
@@ -565,12 +508,12 @@ class Retriever:
                 for score, row in zip(scores[0], rows[0], strict=True) if row >= 0]
 
 
-_shared: dict[RagSettings, Retriever] = {}
-_shared_locks: dict[RagSettings, threading.Lock] = {}
+_shared: dict[RagToolConfig, Retriever] = {}
+_shared_locks: dict[RagToolConfig, threading.Lock] = {}
 _shared_lock = threading.Lock()
 
 
-def shared_retriever(settings: RagSettings) -> Retriever:
+def shared_retriever(settings: RagToolConfig) -> Retriever:
     """The process's retriever for ``settings``, built on first use; concurrent callers wait
     for the one build. A failed build is not remembered (the next call tries again). The
     corpus is not watched: a process sees it as it was at its first call."""
@@ -607,7 +550,7 @@ def _spec(default_top_k: int) -> ToolSpec:
                 "query": {"type": "string",
                           "description": "What to look for, in natural language."},
                 "top_k": {"type": "integer",
-                          "description": f"How many passages to return, 1 to {MAX_TOP_K} "
+                          "description": f"How many passages to return, 1 to {RAG_MAX_TOP_K} "
                                          f"(default {default_top_k})."},
             },
             "required": ["query"],
@@ -618,9 +561,9 @@ class RetrievalTool:
     """The ``retrieve`` tool over a shared :class:`Retriever`. The retriever belongs to the
     process, not to the tool: :meth:`close` only stops this tool's calls."""
 
-    spec = _spec(RagSettings.top_k)
+    spec = _spec(RagToolConfig.model_fields["top_k"].default)
 
-    def __init__(self, retriever: Retriever, settings: RagSettings) -> None:
+    def __init__(self, retriever: Retriever, settings: RagToolConfig) -> None:
         self.retriever = retriever
         self.settings = settings
         self.spec = _spec(settings.top_k)
@@ -632,8 +575,8 @@ class RetrievalTool:
         if not query:
             raise ToolError("retrieve: the query is empty; say what to look for")
         top_k = args.get("top_k", self.settings.top_k)
-        if not 1 <= top_k <= MAX_TOP_K:
-            raise ToolError(f"retrieve: top_k must be between 1 and {MAX_TOP_K}, got {top_k}")
+        if not 1 <= top_k <= RAG_MAX_TOP_K:
+            raise ToolError(f"retrieve: top_k must be between 1 and {RAG_MAX_TOP_K}, got {top_k}")
         if self._closed:
             raise ToolUnavailable("retrieve: the tool is closed")
         passages = await asyncio.to_thread(self.retriever.search, query, top_k)

@@ -33,8 +33,8 @@ What a snippet sees and may do
   everything a Python program ordinarily does (threads, subprocesses, multiprocessing and its
   shared memory, ctypes callbacks) is allowed.
 
-Limits (:class:`SandboxLimits`), and how each is enforced
-----------------------------------------------------------
+Limits (``PyToolConfig``, the ``text.py`` section of the config), and how each is enforced
+--------------------------------------------------------------------------------------------
 
 - ``timeout_s``: wall clock of the call, watched here; past it the whole sandbox is killed
   (``killed="timeout"``). ``RLIMIT_CPU`` (``timeout_s`` + 1 s of CPU per process, then
@@ -59,7 +59,7 @@ Limits (:class:`SandboxLimits`), and how each is enforced
   looked at every ``SCRATCH_POLL_S`` during a run; past either the run is killed
   (``killed="disk"``), so a snippet cannot fill the runner's disk with many files below
   ``max_file_mb``.
-- ``max_open_files``: ``RLIMIT_NOFILE``; ``RLIMIT_CORE`` is 0.
+- :data:`MAX_OPEN_FILES`: ``RLIMIT_NOFILE``; ``RLIMIT_CORE`` is 0.
 
 Killing: a killed run's sandbox init (bwrap's pid 1 of the namespace, signalled through a pidfd
 so a reused pid is never hit) gets SIGKILL, and the kernel kills every process of the pid
@@ -91,7 +91,7 @@ the sandbox needs root (:func:`sandbox_problem` says so otherwise), ``bwrap`` (D
 ``/usr/bin/python3`` (``python3``).
 
 Memory that is not address space: ``memfd_create`` is refused by the filter (a snippet could
-otherwise hold ``max_open_files`` x ``max_file_mb`` of anonymous files per process, counted by
+otherwise hold :data:`MAX_OPEN_FILES` x ``max_file_mb`` of anonymous files per process, counted by
 no rlimit); ``/tmp`` and ``/dev/shm`` (POSIX shared memory, multiprocessing's semaphores) are
 tmpfs mounts of ``tmp_mb`` each. Not done: the scratch directory's limits are checked by
 polling, so a run may overshoot them by what it writes in ``SCRATCH_POLL_S``.
@@ -127,18 +127,20 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
+from cua_rollout.config import PyToolConfig
+from cua_rollout.core.errors import ToolError, ToolUnavailable
 from cua_rollout.envs.tools import ToolSpec, check_arguments
 from cua_rollout.text.seccomp import filter_fd
 
 __all__ = [
     "KILL_REASONS",
+    "MAX_CODE_BYTES",
+    "MAX_OPEN_FILES",
     "OUTPUT_KILL_FACTOR",
     "SANDBOX_PYTHON",
     "SCRATCH_POLL_S",
     "PythonSandbox",
     "PythonTool",
-    "SandboxLimits",
     "SandboxRun",
     "format_run",
     "sandbox_problem",
@@ -154,6 +156,10 @@ SCRATCH_POLL_S = 0.5
 """How often the scratch directory's size is looked at during a run."""
 KILL_REASONS = ("timeout", "memory", "output", "processes", "disk")
 """The values of :attr:`SandboxRun.killed` besides ``None``."""
+MAX_OPEN_FILES = 256
+"""Open file descriptors per process of a snippet (``RLIMIT_NOFILE``)."""
+MAX_CODE_BYTES = 100_000
+"""Longest snippet :class:`PythonTool` accepts unless told otherwise (UTF-8 bytes)."""
 
 _POLL_S = 0.1  # how often a running snippet's deadline and process count are looked at
 _READ_CHUNK = 65536
@@ -212,49 +218,6 @@ except BaseException as exc:
 
 
 @dataclass(frozen=True)
-class SandboxLimits:
-    """What one call of a snippet may use. The field names are those of the ``text.py`` section
-    of the YAML config."""
-
-    timeout_s: float = 10.0
-    """Wall clock of one call, sandbox start included."""
-    memory_mb: int = 512
-    """Address space of each process; with a memory cgroup, also of the whole sandbox."""
-    max_output_bytes: int = 16384
-    """Kept of each of stdout and stderr; writing 8x more on one stream kills the snippet."""
-    max_processes: int = 32
-    """Processes and threads the snippet may have at once, its interpreter included."""
-    max_file_mb: int = 64
-    """Largest file the snippet may write."""
-    max_open_files: int = 256
-    """Open file descriptors per process."""
-    tmp_mb: int = 64
-    """Size of each of the in-memory ``/tmp`` and ``/dev/shm`` of a call."""
-    max_scratch_mb: int = 256
-    """Size of the scratch directory (kept across calls) past which a call is killed."""
-    max_scratch_files: int = 10000
-    """Entries of the scratch directory past which a call is killed."""
-    max_code_bytes: int = 100_000
-    """Longest snippet the tool accepts (UTF-8 bytes)."""
-    cgroup: bool = True
-    """Also hold each call in a memory and a pids cgroup where the machine allows it."""
-
-    def __post_init__(self) -> None:
-        for name in ("timeout_s", "memory_mb", "max_output_bytes", "max_processes",
-                     "max_file_mb", "max_open_files", "tmp_mb", "max_scratch_mb",
-                     "max_scratch_files", "max_code_bytes"):
-            value = getattr(self, name)
-            if not value > 0:
-                raise ConfigError(f"python sandbox: {name} must be positive, got {value!r}")
-        if self.memory_mb < 64:
-            raise ConfigError(f"python sandbox: memory_mb must be at least 64 (the interpreter "
-                              f"alone needs ~30 MB), got {self.memory_mb}")
-        if self.max_processes < 2:
-            raise ConfigError(f"python sandbox: max_processes must be at least 2, got "
-                              f"{self.max_processes}")
-
-
-@dataclass(frozen=True)
 class SandboxRun:
     """What one call of a snippet left."""
 
@@ -274,7 +237,7 @@ class SandboxRun:
     """Either stream was longer than ``max_output_bytes``."""
 
 
-def format_run(run: SandboxRun, limits: SandboxLimits) -> str:
+def format_run(run: SandboxRun, limits: PyToolConfig) -> str:
     """A run as the model reads it: stdout, stderr, then a line saying how it ended."""
     parts = [text.rstrip("\n") for text in (run.stdout, run.stderr) if text]
     if not parts:
@@ -322,7 +285,7 @@ def _root_links() -> list[str]:
     return args
 
 
-def _command(bwrap: str, setpriv: str, scratch: Path, uid: int, limits: SandboxLimits,
+def _command(bwrap: str, setpriv: str, scratch: Path, uid: int, limits: PyToolConfig,
              cgroup_files: list[str], seccomp_fd: int) -> list[str]:
     """The argv of one call: [sh joining the cgroups,] bwrap, setpriv, the interpreter.
     ``seccomp_fd``: the system call filter (``cua_rollout.text.seccomp``), passed to the process."""
@@ -348,7 +311,7 @@ def _command(bwrap: str, setpriv: str, scratch: Path, uid: int, limits: SandboxL
             str(limits.max_file_mb << 20),
             # With a pids cgroup, that refuses first (and counts it); the rlimit backs it up.
             str(limits.max_processes + (1 if cgroup_files else 0)),
-            str(limits.max_open_files)]
+            str(MAX_OPEN_FILES)]
     if not cgroup_files:
         return argv
     joins = " && ".join(f'echo $$ > "${i + 1}"' for i in range(len(cgroup_files)))
@@ -376,7 +339,7 @@ def sandbox_problem() -> str | None:
     with tempfile.TemporaryDirectory(prefix="cua-py-check-") as scratch:
         uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
         os.chown(scratch, uid, uid)
-        argv = _command(bwrap, setpriv, Path(scratch), uid, SandboxLimits(), [], seccomp_fd)
+        argv = _command(bwrap, setpriv, Path(scratch), uid, PyToolConfig(), [], seccomp_fd)
         try:
             done = subprocess.run(argv, input=b"print(6 * 7)", capture_output=True,
                                   timeout=60, env=_HOST_ENV, check=False,
@@ -436,7 +399,7 @@ class _Cgroup:
         self.dirs = dirs
 
     @classmethod
-    def create(cls, limits: SandboxLimits) -> _Cgroup | None:
+    def create(cls, limits: PyToolConfig) -> _Cgroup | None:
         """The call's cgroups, or ``None`` where they cannot be made (not root, v2 only)."""
         bases = _cgroup_bases()
         if os.geteuid() != 0 or set(bases) != {"memory", "pids"}:
@@ -618,7 +581,7 @@ class _Capture:
 class _Call:
     """One running call: feeds the snippet, reads its output, watches its limits, kills it."""
 
-    def __init__(self, proc: asyncio.subprocess.Process, limits: SandboxLimits,
+    def __init__(self, proc: asyncio.subprocess.Process, limits: PyToolConfig,
                  scratch: Path, uid: int, cgroup: _Cgroup | None, started: float) -> None:
         self.proc = proc
         self.uid = uid
@@ -834,11 +797,13 @@ class _Call:
 class PythonSandbox:
     """The sandbox of one episode: a scratch directory kept across calls and a uid of its own.
     ``run`` may be called concurrently (calls run one at a time); ``close`` kills what runs
-    and removes the scratch directory."""
+    and removes the scratch directory. ``limits``: the config's ``text.py`` (the scratch
+    directory is made under its ``scratch_root``); ``cgroup``: also hold each call in a memory
+    and a pids cgroup where the machine allows it."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(),
-                 scratch_root: Path | None = None) -> None:
+    def __init__(self, limits: PyToolConfig, *, cgroup: bool = True) -> None:
         self.limits = limits
+        self.cgroup = cgroup
         self._bwrap = _binary("bwrap")
         self._setpriv = _binary("setpriv")
         _binary("python3")
@@ -847,7 +812,7 @@ class PythonSandbox:
                                   f"snippet runs as a uid of its own); running as uid "
                                   f"{os.geteuid()}")
         self.uid = _UID_BASE + secrets.randbelow(_UID_SPAN)
-        root = Path(scratch_root) if scratch_root is not None else Path(tempfile.gettempdir())
+        root = Path(limits.scratch_root or tempfile.gettempdir())
         try:
             root.mkdir(parents=True, exist_ok=True)
             self.scratch = Path(tempfile.mkdtemp(prefix="cua-py-", dir=root))
@@ -881,7 +846,7 @@ class PythonSandbox:
             seccomp_fd = filter_fd()
         except OSError as exc:  # libseccomp's absence is a ToolUnavailable already
             raise ToolUnavailable(f"python sandbox: no system call filter: {exc}") from exc
-        cgroup = _Cgroup.create(self.limits) if self.limits.cgroup else None
+        cgroup = _Cgroup.create(self.limits) if self.cgroup else None
         argv = _command(self._bwrap, self._setpriv, self.scratch, self.uid, self.limits,
                         cgroup.procs_files() if cgroup else [], seccomp_fd)
         started = time.monotonic()
@@ -937,11 +902,12 @@ class PythonSandbox:
 
 class PythonTool:
     """The ``python`` tool: runs the model's snippet in the episode's sandbox and returns its
-    output, with a last line saying how it ended."""
+    output, with a last line saying how it ended. A snippet over ``max_code_bytes`` (UTF-8)
+    is refused."""
 
-    def __init__(self, limits: SandboxLimits = SandboxLimits(),
-                 scratch_root: Path | None = None) -> None:
+    def __init__(self, limits: PyToolConfig, *, max_code_bytes: int = MAX_CODE_BYTES) -> None:
         self.limits = limits
+        self.max_code_bytes = max_code_bytes
         self.spec = ToolSpec(
             name="python",
             description=(
@@ -954,15 +920,15 @@ class PythonTool:
                 "type": "string",
                 "description": "The program; print() what you want to see."}},
                 "required": ["code"]})
-        self.sandbox = PythonSandbox(limits, scratch_root)
+        self.sandbox = PythonSandbox(limits)
 
     async def __call__(self, arguments: Mapping[str, Any]) -> str:
         args = check_arguments(self.spec, arguments)
         code: str = args["code"]
         size = len(code.encode("utf-8", "replace"))
-        if size > self.limits.max_code_bytes:
+        if size > self.max_code_bytes:
             raise ToolError(f"python: the code is {size} bytes, over the limit of "
-                            f"{self.limits.max_code_bytes}")
+                            f"{self.max_code_bytes}")
         return format_run(await self.sandbox.run(code), self.limits)
 
     async def close(self) -> None:

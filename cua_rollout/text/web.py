@@ -1,7 +1,8 @@
 """The ``web`` text environment's tools: ``search`` (a query to a search backend, the top
 results as numbered lines) and ``fetch`` (a page by URL, as its title and readable text).
 
-Backends (``WebSettings.backend``), each an implementation of :class:`SearchBackend`:
+Backends (``backend`` of ``WebToolConfig``, the config's ``text.web``, which every tool here
+takes), each an implementation of :class:`SearchBackend`:
 
 - ``corpus``: our own web corpus server (``cua_rollout.text.web_corpus``), ``GET
   {search_url}/search?q=...&k=...`` answering ``{"results": [{"title", "url", "snippet"}]}``.
@@ -75,11 +76,13 @@ from urllib.parse import urljoin, urlsplit
 import httpcore2
 import httpx2
 
+from cua_rollout.config import WebToolConfig
 from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
 from cua_rollout.core.http import error_text, host_entry, redact_url, ssl_context
 from cua_rollout.envs.tools import ToolSpec, check_arguments
 
 __all__ = [
+    "ALLOWED_SCHEMES",
     "BACKENDS",
     "MAX_TOP_K",
     "AddressPolicy",
@@ -91,7 +94,6 @@ __all__ = [
     "SearchResult",
     "SearchTool",
     "SerperSearch",
-    "WebSettings",
     "html_to_text",
     "make_client",
     "make_search_backend",
@@ -99,6 +101,8 @@ __all__ = [
 ]
 
 BACKENDS = ("corpus", "serper", "brave")
+ALLOWED_SCHEMES = ("http", "https")
+"""The URL schemes fetch reads."""
 MAX_TOP_K = 20  # Brave's largest ``count``; more results than this only fill the context
 MAX_QUERY_CHARS = 1000
 SNIPPET_CHARS = 500  # of a result's snippet shown to the model
@@ -108,30 +112,6 @@ BRAVE_URL = "https://api.search.brave.com/res/v1/web/search"
 _REPLY_BYTES = 4_000_000  # the most of a search reply we read
 _ERROR_BODY_BYTES = 64_000  # the most of an error reply we read
 _REDIRECTS = frozenset({301, 302, 303, 307, 308})
-
-
-@dataclass(frozen=True)
-class WebSettings:
-    """How the ``web`` environment searches and fetches (field names mirrored into the YAML
-    config's ``text.web``)."""
-
-    backend: str = "corpus"
-    """``corpus`` (our corpus server's /search at ``search_url``), ``serper`` or ``brave``."""
-    search_url: str | None = None
-    """The corpus server's base URL, or a real API's endpoint instead of its public one."""
-    api_key_env: str | None = None
-    """The NAME of the environment variable holding a real API's key (never the key)."""
-    top_k: int = 5
-    request_timeout_s: float = 10.0
-    max_page_bytes: int = 2_000_000
-    max_page_chars: int = 8000
-    allowed_schemes: tuple[str, ...] = ("http", "https")
-    max_redirects: int = 5
-    allow_private: bool = False
-    """Let fetch reach loopback, private and other non-public addresses."""
-    allow_hosts: tuple[str, ...] = ()
-    """Non-public hosts fetch may reach all the same: ``host``, ``host:port`` or a CIDR
-    network (``10.1.0.0/16``); see ``AddressPolicy``."""
 
 
 @dataclass(frozen=True)
@@ -153,7 +133,7 @@ class SearchBackend(Protocol):
         ...
 
 
-def make_client(settings: WebSettings, *, guard: bool = True) -> httpx2.AsyncClient:
+def make_client(settings: WebToolConfig, *, guard: bool = True) -> httpx2.AsyncClient:
     """A web tool's client: the settings' timeout, redirects left to the tools, the process's
     TLS context, and with ``guard`` (fetch's) the settings' ``AddressPolicy`` checked on every
     connection (unless ``allow_private``)."""
@@ -209,7 +189,7 @@ class AddressPolicy:
                 self.hosts.add((parts.hostname.lower(), parts.port or default))
 
     @classmethod
-    def of(cls, settings: WebSettings) -> AddressPolicy | None:
+    def of(cls, settings: WebToolConfig) -> AddressPolicy | None:
         """The settings' policy; None when ``allow_private`` lets every address through."""
         if settings.allow_private:
             return None
@@ -513,7 +493,7 @@ class _HTTPSearch:
 
     name = "search backend"
 
-    def __init__(self, settings: WebSettings, client: httpx2.AsyncClient | None) -> None:
+    def __init__(self, settings: WebToolConfig, client: httpx2.AsyncClient | None) -> None:
         self.settings = settings
         # Unguarded: it calls the configured URL only, never one the model chose.
         self.client = client if client is not None else make_client(settings, guard=False)
@@ -603,7 +583,7 @@ class CorpusSearch(_HTTPSearch):
 class _KeyedSearch(_HTTPSearch):
     api = ""
 
-    def __init__(self, settings: WebSettings, client: httpx2.AsyncClient | None,
+    def __init__(self, settings: WebToolConfig, client: httpx2.AsyncClient | None,
                  key: str) -> None:
         super().__init__(settings, client)
         self._key = key
@@ -643,7 +623,7 @@ class BraveSearch(_KeyedSearch):
         return self._results(self._items(data, "web", "results"), "url", "description", k)
 
 
-def make_search_backend(settings: WebSettings,
+def make_search_backend(settings: WebToolConfig,
                         client: httpx2.AsyncClient | None = None) -> SearchBackend:
     """The backend the settings name, on ``client`` (or a client of its own, which its
     ``close`` closes). ``ConfigError``: an unknown backend, no ``search_url`` for the corpus,
@@ -675,7 +655,7 @@ class SearchTool:
     """``search(query, top_k?)``: the backend's top results as ``[n] title — url`` lines,
     each followed by its snippet; ``(no results)`` when there are none."""
 
-    def __init__(self, settings: WebSettings, *, client: httpx2.AsyncClient | None = None,
+    def __init__(self, settings: WebToolConfig, *, client: httpx2.AsyncClient | None = None,
                  backend: SearchBackend | None = None) -> None:
         self.settings = settings
         self.backend = backend if backend is not None else make_search_backend(settings, client)
@@ -734,11 +714,11 @@ _TEXT_TYPES = ("application/json", "application/xml", "application/javascript",
 
 class FetchTool:
     """``fetch(url)``: a page's title and readable text (HTML converted, plain text as it
-    is), cut at ``max_page_chars``. Only ``allowed_schemes``; pages that are not text
+    is), cut at ``max_page_chars``. Only :data:`ALLOWED_SCHEMES`; pages that are not text
     (images, archives, binaries) are refused; redirects followed up to ``max_redirects``.
     ``client``: the one passed in, or one of its own that ``close`` closes."""
 
-    def __init__(self, settings: WebSettings, *,
+    def __init__(self, settings: WebToolConfig, *,
                  client: httpx2.AsyncClient | None = None) -> None:
         self.settings = settings
         self.client = client if client is not None else make_client(settings)
@@ -772,7 +752,7 @@ class FetchTool:
         except ValueError as exc:
             raise ToolError(f"fetch: invalid URL {shown!r}: {exc}") from None
         scheme = parts.scheme.lower()
-        allowed = self.settings.allowed_schemes
+        allowed = ALLOWED_SCHEMES
         if "://" not in url and scheme not in _OPAQUE_SCHEMES:
             raise ToolError(f"fetch: {shown!r} is not an absolute URL; give the whole URL, "
                             f"starting with {' or '.join(s + '://' for s in allowed)}")

@@ -32,7 +32,7 @@ MESSAGES = [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]
 
 def model_cfg(urls: list[str], **kw) -> ModelConfig:
     base = dict(
-        endpoints=urls, retries=3, backoff_initial_s=0.01, backoff_max_s=0.05,
+        endpoints=urls, retries=3, backoff={"initial_s": 0.01, "max_s": 0.05},
         request_timeout_s=5, connect_timeout_s=1, reprobe_interval_s=0.1,
     )
     base.update(kw)

@@ -69,7 +69,7 @@ async def make_world(tmp: Path) -> AsyncIterator[Callable[..., Any]]:
             "model.endpoint_failures_to_eject=1", "desktops.count=2",
             "desktops.warm_spares=0", "runner.action_pause_s=0",
             "coordinator.max_concurrent_episodes=4", "coordinator.episodes_per_runner=4",
-            "coordinator.outage_backoff_initial_s=0.1", "coordinator.outage_backoff_max_s=0.3",
+            "coordinator.outage_backoff.initial_s=0.1", "coordinator.outage_backoff.max_s=0.3",
             "monitoring.ray_metrics=false", "monitoring.metrics_interval_s=0.2",
             f"desktops.download_cache_dir={tmp}", *sets])
         provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))

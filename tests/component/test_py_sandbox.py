@@ -21,12 +21,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from cua_rollout.config import PyToolConfig
 from cua_rollout.core.errors import ToolError, ToolUnavailable
 from cua_rollout.envs.tools import Tool
 from cua_rollout.text.sandbox import (
     PythonSandbox,
     PythonTool,
-    SandboxLimits,
     SandboxRun,
     format_run,
     sandbox_problem,
@@ -34,7 +34,7 @@ from cua_rollout.text.sandbox import (
 from tests.support import REPO_ROOT, until
 
 # Generous: a CI run may be using both cores while these run.
-LIMITS = SandboxLimits(timeout_s=20.0)
+LIMITS = PyToolConfig(timeout_s=20.0)
 SLACK_S = 8.0  # how late past a limit a killed run may still return on a loaded machine
 
 
@@ -47,9 +47,9 @@ def _sandbox_runs_here() -> None:
 
 
 @contextlib.asynccontextmanager
-async def opened(tmp_path: Path, limits: SandboxLimits = LIMITS,
+async def opened(tmp_path: Path, limits: PyToolConfig = LIMITS,
                  ) -> AsyncIterator[PythonSandbox]:
-    box = PythonSandbox(limits, scratch_root=tmp_path)
+    box = PythonSandbox(limits.model_copy(update={"scratch_root": tmp_path}))
     try:
         yield box
     finally:
@@ -189,8 +189,8 @@ async def test_ordinary_snippets_run_and_scratch_files_persist(tmp_path: Path):
 
 
 async def test_the_tool_reports_runs_and_refuses_bad_arguments(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=2.0, max_output_bytes=64, max_code_bytes=1000)
-    tool = PythonTool(limits, scratch_root=tmp_path)
+    limits = PyToolConfig(timeout_s=2.0, max_output_bytes=64, scratch_root=tmp_path)
+    tool = PythonTool(limits, max_code_bytes=1000)
     try:
         assert isinstance(tool, Tool)
         assert tool.spec.openai()["function"]["name"] == "python"
@@ -223,7 +223,7 @@ async def test_the_tool_reports_runs_and_refuses_bad_arguments(tmp_path: Path):
 
 
 def test_format_run_says_how_a_run_ended():
-    limits = SandboxLimits(memory_mb=128)
+    limits = PyToolConfig(memory_mb=128)
     run = SandboxRun(stdout="", stderr="MemoryError\n", returncode=None, killed="memory",
                      duration_s=0.1, truncated=False)
     assert format_run(run, limits) == "MemoryError\n[killed: memory limit of 128 MB]"
@@ -232,7 +232,7 @@ def test_format_run_says_how_a_run_ended():
 def test_a_missing_bubblewrap_is_named_with_its_package(tmp_path: Path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))  # an empty directory: no bwrap on PATH
     with pytest.raises(ToolUnavailable, match=r"bwrap.*bubblewrap"):
-        PythonSandbox(LIMITS, scratch_root=tmp_path)
+        PythonSandbox(LIMITS.model_copy(update={"scratch_root": tmp_path}))
     problem = sandbox_problem()
     assert problem is not None and "bubblewrap" in problem
     assert list(tmp_path.iterdir()) == []  # no scratch directory was left
@@ -386,7 +386,7 @@ async def test_the_system_call_filter_refuses_namespaces_and_kernel_reach(box: P
 
 
 async def test_an_endless_loop_is_killed_at_its_timeout(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=2.0)
+    limits = PyToolConfig(timeout_s=2.0)
     async with opened(tmp_path, limits) as box, LoopLag() as lag:
         with runner_unchanged():
             run = await box.run("print('started')\nwhile True:\n    pass\n")
@@ -399,7 +399,7 @@ async def test_an_endless_loop_is_killed_at_its_timeout(tmp_path: Path):
 
 
 async def test_a_killed_snippet_leaves_no_process_behind(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=4.0)
+    limits = PyToolConfig(timeout_s=4.0)
     code = (
         "import os, signal, subprocess, time\n"
         "subprocess.Popen(['sleep', '1000'])\n"
@@ -476,7 +476,7 @@ FORK_BOMBS = [
 
 
 async def test_a_fork_bomb_is_contained(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=20.0, max_processes=16)
+    limits = PyToolConfig(timeout_s=20.0, max_processes=16)
     async with opened(tmp_path, limits) as box:
         for code, endless in FORK_BOMBS:
             most = 0
@@ -497,7 +497,7 @@ async def test_a_fork_bomb_is_contained(tmp_path: Path):
 
 
 async def test_sandboxes_do_not_share_a_process_budget(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=20.0, max_processes=8)
+    limits = PyToolConfig(timeout_s=20.0, max_processes=8)
     spawn = ("import subprocess, sys, time\n"
              "kids = [subprocess.Popen(['sleep', '30']) for _ in range(6)]\n"
              "print('six', flush=True)\n"
@@ -514,7 +514,7 @@ async def test_sandboxes_do_not_share_a_process_budget(tmp_path: Path):
 
 
 async def test_memory_hogs_are_stopped(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=20.0, memory_mb=128)
+    limits = PyToolConfig(timeout_s=20.0, memory_mb=128)
     async with opened(tmp_path, limits) as box:
         with runner_unchanged():
             run = await box.run("x = bytearray(1 << 30)\n")
@@ -551,7 +551,7 @@ def _cgroup_v1_memory() -> bool:
 
 
 async def test_huge_output_is_cut_and_a_flood_is_killed(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=20.0, max_output_bytes=4096)
+    limits = PyToolConfig(timeout_s=20.0, max_output_bytes=4096)
     async with opened(tmp_path, limits) as box:
         with runner_unchanged():
             run = await box.run("print('x' * 10000)")  # over the cap, under the kill line
@@ -569,7 +569,7 @@ async def test_huge_output_is_cut_and_a_flood_is_killed(tmp_path: Path):
 
 
 async def test_file_size_tmp_and_scratch_limits(tmp_path: Path):
-    limits = SandboxLimits(timeout_s=20.0, max_file_mb=4, tmp_mb=8, max_scratch_mb=32,
+    limits = PyToolConfig(timeout_s=20.0, max_file_mb=4, tmp_mb=8, max_scratch_mb=32,
                            max_scratch_files=200)
     async with opened(tmp_path, limits) as box:
         run = await box.run("open('big', 'wb').write(b'b' * (8 << 20))")

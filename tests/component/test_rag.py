@@ -16,17 +16,16 @@ import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
+from pydantic import ValidationError
 
+from cua_rollout.config import RAG_DEFAULT_MODEL, RAG_MODELS, RagToolConfig
 from cua_rollout.core.errors import ConfigError, ToolError, ToolUnavailable
 from cua_rollout.envs.tools import Tool
 from cua_rollout.text.rag import (
-    DEFAULT_MODEL,
-    MODELS,
-    RagSettings,
     RetrievalTool,
     Retriever,
     chunk_text,
@@ -44,6 +43,12 @@ from tests.doubles.rag_corpus import (
 from tests.support import REPO_ROOT, unavailable
 
 
+def rag_config(**fields: Any) -> RagToolConfig:
+    """``text.rag`` without the index cache unless ``cache_dir`` is given (the config's default
+    is ``.cache/rag`` of the working directory)."""
+    return RagToolConfig(**{"cache_dir": None, **fields})
+
+
 @pytest.fixture(autouse=True, scope="module")
 def text_extra() -> None:
     """The ``text`` extra is a dev dependency: skip without it, fail under CI."""
@@ -59,12 +64,12 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def retriever(corpus: Path) -> Retriever:
-    return Retriever.build(RagSettings(corpus=corpus))
+    return Retriever.build(rag_config(corpus=corpus))
 
 
 def test_paraphrased_queries_find_the_planted_passage_first(retriever: Retriever) -> None:
     assert retriever.size == len(distractors()) + 1 >= 150
-    assert retriever.model == DEFAULT_MODEL
+    assert retriever.model == RAG_DEFAULT_MODEL
     for query in PARAPHRASES:
         found = retriever.search(query, 3)
         assert found[0].id == PLANTED_ID, (query, [(p.id, round(p.score, 3)) for p in found])
@@ -82,8 +87,8 @@ def test_a_name_is_found_first_by_hybrid_and_bm25_where_dense_alone_misses(
     """An averaged word embedding dilutes a rare name: the planted passage is not first by
     the dense score alone (ranked 5th, 5th, 2nd and 11th here); BM25's share of the hybrid
     score puts it first, and bm25 alone finds it too."""
-    dense = Retriever.build(RagSettings(corpus=corpus, retrieval="dense"))
-    words = Retriever.build(RagSettings(corpus=corpus, retrieval="bm25"))
+    dense = Retriever.build(rag_config(corpus=corpus, retrieval="dense"))
+    words = Retriever.build(rag_config(corpus=corpus, retrieval="bm25"))
     assert retriever.retrieval == "hybrid"  # the default
     assert dense.search(query, 5)[0].id != PLANTED_ID
     assert retriever.search(query, 5)[0].id == PLANTED_ID
@@ -91,7 +96,7 @@ def test_a_name_is_found_first_by_hybrid_and_bm25_where_dense_alone_misses(
 
 
 def test_bm25_alone_returns_only_passages_sharing_a_word(corpus: Path) -> None:
-    words = Retriever.build(RagSettings(corpus=corpus, retrieval="bm25"))
+    words = Retriever.build(rag_config(corpus=corpus, retrieval="bm25"))
     found = words.search("Varnholm", 10)
     assert [p.id for p in found] == [PLANTED_ID] and found[0].score > 0
     assert words.search("zyzzyva quuxification", 3) == []
@@ -101,19 +106,19 @@ def test_hybrid_scores_are_a_weighted_sum_and_its_weights_bound_it(corpus: Path)
     """dense_weight 1 ranks as dense does and 0 as bm25 does (on the passages sharing a word);
     scores lie in [0, 1] with the best at most 1."""
     query = PARAPHRASES[1]
-    dense = Retriever.build(RagSettings(corpus=corpus, retrieval="dense")).search(query, 5)
-    words = Retriever.build(RagSettings(corpus=corpus, retrieval="bm25")).search(query, 5)
-    only_dense = Retriever.build(RagSettings(corpus=corpus, dense_weight=1.0)).search(query, 5)
-    only_words = Retriever.build(RagSettings(corpus=corpus, dense_weight=0.0)).search(query, 5)
+    dense = Retriever.build(rag_config(corpus=corpus, retrieval="dense")).search(query, 5)
+    words = Retriever.build(rag_config(corpus=corpus, retrieval="bm25")).search(query, 5)
+    only_dense = Retriever.build(rag_config(corpus=corpus, dense_weight=1.0)).search(query, 5)
+    only_words = Retriever.build(rag_config(corpus=corpus, dense_weight=0.0)).search(query, 5)
     assert [p.id for p in only_dense] == [p.id for p in dense]
     assert [p.id for p in only_words] == [p.id for p in words]
     assert only_dense[0].score == pytest.approx(1.0) and only_words[0].score == pytest.approx(1.0)
-    for passage in Retriever.build(RagSettings(corpus=corpus)).search(query, 10):
+    for passage in Retriever.build(rag_config(corpus=corpus)).search(query, 10):
         assert 0.0 <= passage.score <= 1.0 + 1e-9
-    with pytest.raises(ConfigError, match="retrieval"):
-        RagSettings(corpus=corpus, retrieval="sparse")
-    with pytest.raises(ConfigError, match="dense_weight"):
-        RagSettings(corpus=corpus, dense_weight=1.5)
+    with pytest.raises(ValidationError, match="retrieval"):
+        rag_config(corpus=corpus, retrieval="sparse")
+    with pytest.raises(ValidationError, match="dense_weight"):
+        rag_config(corpus=corpus, dense_weight=1.5)
 
 
 def test_top_k_is_honoured(retriever: Retriever) -> None:
@@ -126,8 +131,8 @@ def test_top_k_is_honoured(retriever: Retriever) -> None:
 
 
 def test_matryoshka_models_index_with_fewer_dimensions(corpus: Path) -> None:
-    small = Retriever.build(RagSettings(corpus=corpus, model="wordllama/l2_supercat_128"))
-    assert small.model == "wordllama/l2_supercat_128" and MODELS[small.model] == 128
+    small = Retriever.build(rag_config(corpus=corpus, model="wordllama/l2_supercat_128"))
+    assert small.model == "wordllama/l2_supercat_128" and RAG_MODELS[small.model] == 128
     assert small.search(PARAPHRASES[1], 1)[0].id == PLANTED_ID
 
 
@@ -143,7 +148,7 @@ def test_directory_corpus_chunks_files_into_paragraph_passages(tmp_path: Path) -
     paragraphs = [NEAR[0], NEAR[6], PLANTED, NEAR[2]]
     (root / "animals" / "varnholm.md").write_text(
         "# The Varnholm light\n\n" + "\n\n".join(paragraphs) + "\n", encoding="utf-8")
-    settings = RagSettings(corpus=root, chunk_chars=300)
+    settings = rag_config(corpus=root, chunk_chars=300)
     retriever = Retriever.build(settings)
     md = [p for p in retriever.search("lighthouse", 100) if p.id.startswith("animals/")]
     assert sorted(p.id for p in md) == [f"animals/varnholm.md#{n}" for n in range(1, len(md) + 1)]
@@ -179,7 +184,7 @@ def test_long_texts_are_chunked_at_paragraph_and_sentence_boundaries(tmp_path: P
     path = tmp_path / "long.jsonl"
     path.write_text(json.dumps({"id": "manual", "title": "Handbook", "text": document}) + "\n"
                     + json.dumps({"id": "short", "text": NEAR[1]}) + "\n")
-    retriever = Retriever.build(RagSettings(corpus=path, chunk_chars=400))
+    retriever = Retriever.build(rag_config(corpus=path, chunk_chars=400))
     assert retriever.size > 8
     ids = {p.id for p in retriever.search("x", 100)}
     assert "short" in ids and "manual" not in ids and "manual#1" in ids
@@ -203,7 +208,7 @@ def test_malformed_jsonl_names_file_and_line(tmp_path: Path, content: str, line:
     path = tmp_path / "bad.jsonl"
     path.write_text(content)
     with pytest.raises(ConfigError, match=message) as caught:
-        Retriever.build(RagSettings(corpus=path))
+        Retriever.build(rag_config(corpus=path))
     assert str(caught.value).startswith(f"{path}:{line}: ")
 
 
@@ -223,21 +228,23 @@ def test_unusable_corpora_and_settings_are_config_errors(tmp_path: Path) -> None
     }
     for corpus, message in cases.items():
         with pytest.raises(ConfigError, match=message) as caught:
-            Retriever.build(RagSettings(corpus=corpus))
+            Retriever.build(rag_config(corpus=corpus))
         assert str(corpus) in str(caught.value)
     with pytest.raises(ConfigError, match=r"rag\.corpus is not set"):
-        Retriever.build(RagSettings())
-    with pytest.raises(ConfigError, match="unknown embedding model 'bge-large'"):
-        RagSettings(corpus=empty, model="bge-large")
-    with pytest.raises(ConfigError, match="top_k"):
-        RagSettings(top_k=0)
-    with pytest.raises(ConfigError, match="chunk_chars"):
-        RagSettings(chunk_chars=10)
+        Retriever.build(rag_config())
+    with pytest.raises(ValidationError, match="unknown embedding model 'bge-large'"):
+        rag_config(corpus=empty, model="bge-large")
+    with pytest.raises(ValidationError, match="top_k"):
+        rag_config(top_k=0)
+    with pytest.raises(ValidationError, match="top_k"):
+        rag_config(top_k=21)
+    with pytest.raises(ValidationError, match="chunk_chars"):
+        rag_config(chunk_chars=10)
 
 
 def test_index_cache_is_reused_and_invalidated(tmp_path: Path) -> None:
     corpus = write_jsonl(tmp_path / "kb.jsonl")
-    settings = RagSettings(corpus=corpus, cache_dir=tmp_path / "cache")
+    settings = rag_config(corpus=corpus, cache_dir=tmp_path / "cache")
     first = Retriever.build(settings)
     files = sorted((tmp_path / "cache").glob("rag-*.faiss"))
     assert not first.cached and len(files) == 1
@@ -248,7 +255,7 @@ def test_index_cache_is_reused_and_invalidated(tmp_path: Path) -> None:
           f"{second.build_seconds * 1000:.0f} ms from the cache")
 
     # Another chunking is another index; so is a changed corpus.
-    assert not Retriever.build(replace(settings, chunk_chars=200)).cached
+    assert not Retriever.build(settings.model_copy(update={"chunk_chars": 200})).cached
     with corpus.open("a") as f:
         f.write(json.dumps({"id": "new", "text": "A passage added later."}) + "\n")
     changed = Retriever.build(settings)
@@ -266,7 +273,7 @@ def test_index_cache_is_reused_and_invalidated(tmp_path: Path) -> None:
 
 
 async def test_tool_returns_numbered_passages(retriever: Retriever, corpus: Path) -> None:
-    settings = RagSettings(corpus=corpus, top_k=2, max_result_chars=4000)
+    settings = rag_config(corpus=corpus, top_k=2, max_result_chars=4000)
     tool = RetrievalTool(retriever, settings)
     assert isinstance(tool, Tool)
     assert tool.spec.name == "retrieve" and tool.spec.parameters["required"] == ["query"]
@@ -282,10 +289,10 @@ async def test_tool_returns_numbered_passages(retriever: Retriever, corpus: Path
     assert untitled == f"[1] (topic-3) {TOPICS[3]}"
 
     # The reply is cut at max_result_chars: whole passages, then the one that did not fit cut.
-    short = RetrievalTool(retriever, replace(settings, max_result_chars=300))
+    short = RetrievalTool(retriever, settings.model_copy(update={"max_result_chars": 300}))
     reply = await short({"query": PARAPHRASES[1], "top_k": 10})
     assert len(reply) <= 300 and reply.endswith("…") and reply.startswith("[1] (kb-planted")
-    tiny = RetrievalTool(retriever, replace(settings, max_result_chars=100))
+    tiny = RetrievalTool(retriever, settings.model_copy(update={"max_result_chars": 100}))
     reply = await tiny({"query": PARAPHRASES[1]})
     assert len(reply) == 100 and reply.startswith("[1] (kb-planted, Varnholm) Edda Kroll")
     await tool.close()
@@ -304,13 +311,13 @@ async def test_tool_returns_numbered_passages(retriever: Retriever, corpus: Path
 ])
 async def test_tool_rejects_bad_arguments(retriever: Retriever, corpus: Path, arguments: object,
                                           message: str) -> None:
-    tool = RetrievalTool(retriever, RagSettings(corpus=corpus))
+    tool = RetrievalTool(retriever, rag_config(corpus=corpus))
     with pytest.raises(ToolError, match=message):
         await tool(arguments)  # type: ignore[arg-type]
 
 
 async def test_closed_tool_is_unavailable(retriever: Retriever, corpus: Path) -> None:
-    tool = RetrievalTool(retriever, RagSettings(corpus=corpus))
+    tool = RetrievalTool(retriever, rag_config(corpus=corpus))
     await tool.close()
     with pytest.raises(ToolUnavailable, match="closed"):
         await tool({"query": "lighthouse"})
@@ -330,7 +337,7 @@ def test_concurrent_searches_from_threads(retriever: Retriever) -> None:
 
 
 async def test_concurrent_tool_calls_share_one_retriever(corpus: Path) -> None:
-    settings = RagSettings(corpus=corpus, top_k=1)
+    settings = rag_config(corpus=corpus, top_k=1)
     barrier = threading.Barrier(6)
 
     def build() -> Retriever:
@@ -340,7 +347,7 @@ async def test_concurrent_tool_calls_share_one_retriever(corpus: Path) -> None:
     built = await asyncio.gather(*(asyncio.to_thread(build) for _ in range(6)))
     assert all(r is built[0] for r in built)
     assert shared_retriever(settings) is built[0]
-    assert shared_retriever(replace(settings, top_k=2)) is not built[0]
+    assert shared_retriever(settings.model_copy(update={"top_k": 2})) is not built[0]
     tools = [RetrievalTool(shared_retriever(settings), settings) for _ in range(4)]
     replies = await asyncio.gather(*(tool({"query": q}) for tool in tools for q in PARAPHRASES))
     assert all(reply.startswith(f"[1] ({PLANTED_ID},") for reply in replies)
@@ -350,8 +357,9 @@ def test_model_loads_without_any_network(corpus: Path) -> None:
     """The weights ship in the wheel: a build and a search succeed in a fresh interpreter in a
     network namespace of its own (no interface but a down loopback), with no model cache."""
     script = (
-        "from cua_rollout.text.rag import RagSettings, Retriever\n"
-        f"r = Retriever.build(RagSettings(corpus={str(corpus)!r}))\n"
+        "from cua_rollout.config import RagToolConfig\n"
+        "from cua_rollout.text.rag import Retriever\n"
+        f"r = Retriever.build(RagToolConfig(corpus={str(corpus)!r}, cache_dir=None))\n"
         f"print(r.search({PARAPHRASES[1]!r}, 1)[0].id)\n")
     probe = subprocess.run(["unshare", "--net", "true"], capture_output=True, check=False)
     if probe.returncode != 0:
@@ -371,9 +379,10 @@ def test_missing_package_is_tool_unavailable(corpus: Path, package: str) -> None
         "import sys\n"
         f"sys.modules[{package!r}] = None\n"
         "from cua_rollout.core.errors import ToolUnavailable\n"
-        "from cua_rollout.text.rag import RagSettings, Retriever\n"
+        "from cua_rollout.config import RagToolConfig\n"
+        "from cua_rollout.text.rag import Retriever\n"
         "try:\n"
-        f"    Retriever.build(RagSettings(corpus={str(corpus)!r}))\n"
+        f"    Retriever.build(RagToolConfig(corpus={str(corpus)!r}, cache_dir=None))\n"
         "except ToolUnavailable as exc:\n"
         "    print(exc)\n")
     result = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True,
@@ -393,7 +402,7 @@ def test_scale_10k_passages(tmp_path: Path) -> None:
             f.write(json.dumps({"id": f"p{n}", "text": " ".join(rng.choices(vocabulary, k=100))})
                     + "\n")
         f.write(json.dumps({"id": PLANTED_ID, "title": "Varnholm", "text": PLANTED}) + "\n")
-    settings = RagSettings(corpus=path, cache_dir=tmp_path / "cache")
+    settings = rag_config(corpus=path, cache_dir=tmp_path / "cache")
     built = Retriever.build(settings)
     loaded = Retriever.build(settings)
     assert loaded.cached and built.size == loaded.size == 10_001

@@ -23,7 +23,12 @@ from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.providers.base import LABEL_RUN, run_label
 from cua_rollout.envs.providers.container import ContainerProvider
 from cua_rollout.runtime.pool import DesktopPool
-from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image
+from tests.support import (
+    REPO_ROOT,
+    assert_every_episode_succeeded,
+    desktop_image,
+    slow_scripted_policy,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -182,38 +187,39 @@ def test_containers_killed_mid_episode_are_retried_elsewhere_and_replaced(tmp, i
     mark = _test_mark()
     sets = [f"run.output_dir={tmp / 'results'}", "desktops.provider=container",
             f"desktops.container.image={image}", f"tasks.task_ids={json.dumps(tasks)}",
-            "model.scripted_latency_s=1.5", "ray.include_dashboard=false", mark]
+            "ray.include_dashboard=false", mark]
     demo = str(REPO_ROOT / "configs" / "demo.yaml")
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", demo]
-    status = [sys.executable, str(REPO_ROOT / "scripts" / "desktops.py"), "status", "--json",
-              "--config", demo]
-    for s in sets:
-        args += ["--set", s]
-        status += ["--set", s]
-    run_dir = tmp / "results" / "demo"
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    killed: list[str] = []
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not killed:
-            assert proc.poll() is None, "the run ended before its desktops were killed"
-            assert time.monotonic() < deadline
-            done = subprocess.run(status, cwd=REPO_ROOT, capture_output=True, text=True)
-            rows = json.loads(done.stdout)["desktops"] if done.returncode == 0 else []
-            fresh = [r["id"] for r in rows
-                     if r["state"] == "leased" and (r["lease_age_s"] or 99) < 4]
-            for desktop in fresh:  # episodes that have just started on these
-                ids = subprocess.run(["podman", "ps", "-q", "--filter",
-                                      f"label=cua.desktop={desktop}"],
-                                     capture_output=True, text=True, check=True).stdout.split()
-                subprocess.run(["podman", "kill", *ids], capture_output=True, check=False)
-                killed += ids
-        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=120)
+    with slow_scripted_policy(demo, sets, latency_s=1.5) as slow:
+        args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", demo]
+        status = [sys.executable, str(REPO_ROOT / "scripts" / "desktops.py"), "status", "--json",
+                  "--config", demo]
+        for s in [*sets, *slow]:
+            args += ["--set", s]
+            status += ["--set", s]
+        run_dir = tmp / "results" / "demo"
+        proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        killed: list[str] = []
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not killed:
+                assert proc.poll() is None, "the run ended before its desktops were killed"
+                assert time.monotonic() < deadline
+                done = subprocess.run(status, cwd=REPO_ROOT, capture_output=True, text=True)
+                rows = json.loads(done.stdout)["desktops"] if done.returncode == 0 else []
+                fresh = [r["id"] for r in rows
+                         if r["state"] == "leased" and (r["lease_age_s"] or 99) < 4]
+                for desktop in fresh:  # episodes that have just started on these
+                    ids = subprocess.run(["podman", "ps", "-q", "--filter",
+                                          f"label=cua.desktop={desktop}"],
+                                         capture_output=True, text=True, check=True).stdout.split()
+                    subprocess.run(["podman", "kill", *ids], capture_output=True, check=False)
+                    killed += ids
+            _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-4000:]
     results = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]
     assert sorted((r["task_id"], r["rollout"]) for r in results) == sorted(

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, slow_scripted_policy
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -48,49 +48,50 @@ def test_status_quarantine_and_release_on_a_live_run(tmp):
     sets = [f"run.output_dir={tmp / 'results'}", f"run.name=tool-{tmp.name[-6:]}",
             f"desktops.local.state_dir={tmp / 'd'}", "desktops.count=3",
             "coordinator.max_concurrent_episodes=2", "ray.include_dashboard=false",
-            f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=2.0"]
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO)]
-    for s in sets:
-        args += ["--set", s]
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        deadline = time.monotonic() + 300
-        rows: list[dict] = []
-        while True:  # until the run's pool has a free desktop and a leased one
-            assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
-            assert time.monotonic() < deadline, rows
-            done = _tool("status", "--json", sets=sets)
-            if done.returncode == 0 and json.loads(done.stdout)["live"]:
-                rows = json.loads(done.stdout)["desktops"]
-                states = {r["state"] for r in rows}
-                if {"free", "leased"} <= states:
-                    break
-            time.sleep(0.5)
-        assert len(rows) == 3
-        leased = next(r for r in rows if r["state"] == "leased")
-        assert leased["owner"] and leased["lease_age_s"] >= 0 and leased["url"]
-        free = next(r for r in rows if r["state"] == "free")
+            f"tasks.task_ids={json.dumps(tasks)}"]
+    with slow_scripted_policy(DEMO, sets, latency_s=2.0) as slow:
+        args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO)]
+        for s in [*sets, *slow]:
+            args += ["--set", s]
+        proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 300
+            rows: list[dict] = []
+            while True:  # until the run's pool has a free desktop and a leased one
+                assert proc.poll() is None, proc.stderr.read()[-3000:] if proc.stderr else ""
+                assert time.monotonic() < deadline, rows
+                done = _tool("status", "--json", sets=sets)
+                if done.returncode == 0 and json.loads(done.stdout)["live"]:
+                    rows = json.loads(done.stdout)["desktops"]
+                    states = {r["state"] for r in rows}
+                    if {"free", "leased"} <= states:
+                        break
+                time.sleep(0.5)
+            assert len(rows) == 3
+            leased = next(r for r in rows if r["state"] == "leased")
+            assert leased["owner"] and leased["lease_age_s"] >= 0 and leased["url"]
+            free = next(r for r in rows if r["state"] == "free")
 
-        quarantined = _tool("quarantine", free["id"], sets=sets)
-        assert quarantined.returncode == 0 and "replaces it" in quarantined.stdout, quarantined
-        # A leased desktop is not quarantined under its episode ...
-        refused = _on_a_leased_desktop("quarantine", 1, sets)
-        assert "release it first" in refused.stderr, refused
-        # ... but its lease can be taken back: its episode is retried on another one.
-        released = _on_a_leased_desktop("release", 0, sets)
-        assert "took back" in released.stdout, released
-        assert _tool("release", "no-such-desktop", sets=sets).returncode == 1
+            quarantined = _tool("quarantine", free["id"], sets=sets)
+            assert quarantined.returncode == 0 and "replaces it" in quarantined.stdout, quarantined
+            # A leased desktop is not quarantined under its episode ...
+            refused = _on_a_leased_desktop("quarantine", 1, sets)
+            assert "release it first" in refused.stderr, refused
+            # ... but its lease can be taken back: its episode is retried on another one.
+            released = _on_a_leased_desktop("release", 0, sets)
+            assert "took back" in released.stdout, released
+            assert _tool("release", "no-such-desktop", sets=sets).returncode == 1
 
-        table = _tool("status", sets=sets)
-        assert table.returncode == 0 and "live" in table.stdout and "state" in table.stdout
-        after = json.loads(_tool("status", "--json", sets=sets).stdout)["desktops"]
-        assert free["id"] not in {r["id"] for r in after}  # replaced by a new desktop
-        _, err = proc.communicate(timeout=300)
-    finally:
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGINT)
-            proc.communicate(timeout=120)
+            table = _tool("status", sets=sets)
+            assert table.returncode == 0 and "live" in table.stdout and "state" in table.stdout
+            after = json.loads(_tool("status", "--json", sets=sets).stdout)["desktops"]
+            assert free["id"] not in {r["id"] for r in after}  # replaced by a new desktop
+            _, err = proc.communicate(timeout=300)
+        finally:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+                proc.communicate(timeout=120)
     assert proc.returncode == 0, err[-3000:]
     run_dir = tmp / "results" / f"tool-{tmp.name[-6:]}"
     results = [json.loads(x) for x in (run_dir / "results.jsonl").read_text().splitlines()]

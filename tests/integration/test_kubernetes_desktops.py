@@ -43,7 +43,13 @@ from tests.doubles.kube_api import (
     unschedulable_status,
 )
 from tests.doubles.kubelet import ContainerKubelet
-from tests.support import REPO_ROOT, assert_every_episode_succeeded, desktop_image, until
+from tests.support import (
+    REPO_ROOT,
+    assert_every_episode_succeeded,
+    desktop_image,
+    slow_scripted_policy,
+    until,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -355,42 +361,46 @@ def test_the_demo_on_kubernetes_desktops_and_a_killed_drivers_pods(cluster, imag
     args = _run_command(cluster, image, tmp, f"tasks.task_ids={json.dumps(tasks)}",
                         "desktops.kubernetes.heartbeat_timeout_s=3600")
     env = {**os.environ, TOKEN_VAR: TOKEN}
-    first = subprocess.Popen([*args, "--set", "model.scripted_latency_s=1.0"], cwd=REPO_ROOT,
-                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                             start_new_session=True)
-    left: list[psutil.Process] = []
-    try:
-        def running_pods() -> list[dict[str, Any]]:
-            return [p for p in cluster.server.pods(NAMESPACE)
-                    if (p.get("status") or {}).get("phase") == "Running"]
+    # The first run's policy is slow, so it is killed with its pods running.
+    slow_policy = slow_scripted_policy(REPO_ROOT / "configs" / "demo.yaml",
+                                       [f"tasks.task_ids={json.dumps(tasks)}"], latency_s=1.0)
+    with slow_policy as slow:
+        first = subprocess.Popen([*args, *(a for s in slow for a in ("--set", s))],
+                                 cwd=REPO_ROOT, env=env, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        left: list[psutil.Process] = []
+        try:
+            def running_pods() -> list[dict[str, Any]]:
+                return [p for p in cluster.server.pods(NAMESPACE)
+                        if (p.get("status") or {}).get("phase") == "Running"]
 
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while len(running_pods()) < 2:
-            assert first.poll() is None and time.monotonic() < deadline
-            time.sleep(0.2)
-        time.sleep(2)  # episodes under way
-        left = psutil.Process(first.pid).children(recursive=True)
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-        orphans = sorted(p["metadata"]["name"] for p in cluster.server.pods(NAMESPACE))
-        assert len(orphans) == 2, orphans
-        owner = cluster.server.pod(NAMESPACE, orphans[0])["metadata"]["annotations"][
-            PROCESS_ANNOTATION]
-        pid = int(owner.rsplit(":", 2)[1])
-        # The pool actor belonged to the killed driver's job: Ray ends it.
-        end = time.monotonic() + 120
-        while psutil.pid_exists(pid) and time.monotonic() < end:
-            time.sleep(0.5)
-        assert not psutil.pid_exists(pid), "the killed run's pool actor still runs"
-        again = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
-                               timeout=RUN_TIMEOUT_S)
-        assert again.returncode == 0, again.stderr[-3000:]
-    finally:
-        if first.poll() is None:
-            first.kill()
-        for proc in left:  # what the killed driver started (Ray), ended by pid
-            with contextlib.suppress(psutil.NoSuchProcess):
-                proc.kill()
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while len(running_pods()) < 2:
+                assert first.poll() is None and time.monotonic() < deadline
+                time.sleep(0.2)
+            time.sleep(2)  # episodes under way
+            left = psutil.Process(first.pid).children(recursive=True)
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            orphans = sorted(p["metadata"]["name"] for p in cluster.server.pods(NAMESPACE))
+            assert len(orphans) == 2, orphans
+            owner = cluster.server.pod(NAMESPACE, orphans[0])["metadata"]["annotations"][
+                PROCESS_ANNOTATION]
+            pid = int(owner.rsplit(":", 2)[1])
+            # The pool actor belonged to the killed driver's job: Ray ends it.
+            end = time.monotonic() + 120
+            while psutil.pid_exists(pid) and time.monotonic() < end:
+                time.sleep(0.5)
+            assert not psutil.pid_exists(pid), "the killed run's pool actor still runs"
+            again = subprocess.run(args, cwd=REPO_ROOT, env=env, capture_output=True, text=True,
+                                   timeout=RUN_TIMEOUT_S)
+            assert again.returncode == 0, again.stderr[-3000:]
+        finally:
+            if first.poll() is None:
+                first.kill()
+            for proc in left:  # what the killed driver started (Ray), ended by pid
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    proc.kill()
     removed = [r for r in cluster.server.requests
                if r.method == "DELETE" and any(r.path.endswith(f"/pods/{n}") for n in orphans)]
     assert len(removed) == 2, "the rerun's start did not delete the killed run's pods"

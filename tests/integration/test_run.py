@@ -20,7 +20,7 @@ import pytest
 
 from cua_rollout.core.files import DirectoryLock
 from cua_rollout.core.layout import RUN_LOCK_FILE
-from tests.support import REPO_ROOT, run_py_command
+from tests.support import REPO_ROOT, run_py_command, slow_scripted_policy
 
 ROOT = REPO_ROOT
 DEMO = ROOT / "configs" / "demo.yaml"
@@ -101,34 +101,36 @@ def _descendants(pid: int) -> list[psutil.Process]:
 @pytest.mark.slow
 def test_a_driver_killed_mid_run_resumes_with_every_episode_once(tmp):
     tasks = ["terminal-hello-file", "terminal-make-dirs", "calc-add", "editor-append-line"]
-    args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.3")
+    sets = [f"tasks.task_ids={json.dumps(tasks)}"]
     run_dir = tmp / "results" / "demo"
-    first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
-                             stderr=subprocess.DEVNULL, start_new_session=True)
     started: list[psutil.Process] = []
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not ((run_dir / "results.jsonl").exists()
-                   and len(_results(run_dir)) >= 2):
-            assert first.poll() is None, "the first run ended before it was killed"
-            assert time.monotonic() < deadline
+    with slow_scripted_policy(DEMO, sets, latency_s=0.3) as slow:
+        args = _command(tmp, *sets, *slow)
+        first = subprocess.Popen(args, cwd=ROOT, stdout=subprocess.DEVNULL,
+                                 stderr=subprocess.DEVNULL, start_new_session=True)
+        try:
+            deadline = time.monotonic() + RUN_TIMEOUT_S
+            while not ((run_dir / "results.jsonl").exists()
+                       and len(_results(run_dir)) >= 2):
+                assert first.poll() is None, "the first run ended before it was killed"
+                assert time.monotonic() < deadline
+                started = _descendants(first.pid) or started
+                time.sleep(0.2)
             started = _descendants(first.pid) or started
-            time.sleep(0.2)
-        started = _descendants(first.pid) or started
-        os.kill(first.pid, signal.SIGKILL)
-        first.wait()
-        killed_at = len(_results(run_dir))
-        assert killed_at < 2 * len(tasks), "the run finished before it was killed"
+            os.kill(first.pid, signal.SIGKILL)
+            first.wait()
+            killed_at = len(_results(run_dir))
+            assert killed_at < 2 * len(tasks), "the run finished before it was killed"
 
-        again = _run(args, cwd=ROOT)
-        assert again.returncode == 0, again.stderr[-3000:]
-    finally:
-        # What the killed driver started and left behind (Ray, desktops) is ended by pid.
-        for proc in started:
-            try:
-                proc.kill()
-            except psutil.NoSuchProcess:
-                continue
+            again = _run(args, cwd=ROOT)
+            assert again.returncode == 0, again.stderr[-3000:]
+        finally:
+            # What the killed driver started and left behind (Ray, desktops) is ended by pid.
+            for proc in started:
+                try:
+                    proc.kill()
+                except psutil.NoSuchProcess:
+                    continue
     results = _results(run_dir)
     counts = Counter((r["task_id"], r["rollout"]) for r in results)
     assert counts == Counter({(t, k): 1 for t in tasks for k in range(2)})
@@ -216,9 +218,11 @@ def _finished_tasks(run_dir: Path) -> set[str]:
 @pytest.mark.slow
 def test_ctrl_c_lets_running_episodes_finish_and_records_only_finished_ones(tmp):
     tasks = ["terminal-hello-file", "terminal-make-dirs", "terminal-count-lines"]
-    args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.3")
+    sets = [f"tasks.task_ids={json.dumps(tasks)}"]
     run_dir = tmp / "results" / "demo"
-    code, stderr = _interrupt_when(args, lambda: bool(_finished_tasks(run_dir)))
+    with slow_scripted_policy(DEMO, sets, latency_s=0.3) as slow:
+        code, stderr = _interrupt_when(_command(tmp, *sets, *slow),
+                                       lambda: bool(_finished_tasks(run_dir)))
     assert code == 130, stderr[-3000:]
     results = _results(run_dir)
     # The episodes that were running when Ctrl-C came finished (2 desktops), nothing new
@@ -258,12 +262,13 @@ def test_service_mode_picks_up_tasks_added_while_it_runs(tmp):
 @pytest.mark.slow
 def test_a_second_ctrl_c_cancels_running_episodes_without_recording_them(tmp):
     tasks = ["calc-add", "editor-replace-all", "terminal-hello-file"]
-    args = _command(tmp, f"tasks.task_ids={json.dumps(tasks)}", "model.scripted_latency_s=0.5",
-                    "tasks.rollouts_per_task=1")
+    sets = [f"tasks.task_ids={json.dumps(tasks)}", "tasks.rollouts_per_task=1"]
     run_dir = tmp / "results" / "demo"
     # Both desktops are mid-episode when Ctrl-C is pressed twice.
-    code, stderr = _interrupt_when(
-        args, lambda: len(list(run_dir.glob("*/*/0/traj.jsonl"))) >= 2, ctrl_c=2)
+    with slow_scripted_policy(DEMO, sets, latency_s=0.5) as slow:
+        code, stderr = _interrupt_when(
+            _command(tmp, *sets, *slow),
+            lambda: len(list(run_dir.glob("*/*/0/traj.jsonl"))) >= 2, ctrl_c=2)
     assert code == 130, stderr[-3000:]
     recorded = _results(run_dir) if (run_dir / "results.jsonl").exists() else []
     assert all(r["status"] == "success" for r in recorded)

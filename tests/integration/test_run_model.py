@@ -102,7 +102,7 @@ def wait_for(predicate, timeout_s: float, what: str, interval_s: float = 0.5) ->
 def client_cfg(**kw: Any) -> ModelConfig:
     base: dict[str, Any] = dict(
         name=MODEL_NAME, endpoints=[], api_key_env=POOL_KEY_VAR, retries=10,
-        backoff_initial_s=0.2, backoff_max_s=2.0,
+        backoff={"initial_s": 0.2, "max_s": 2.0},
         request_timeout_s=120.0, connect_timeout_s=5.0, reprobe_interval_s=1.0,
         sampling=SamplingConfig(max_tokens=8, temperature=0.7),
     )
@@ -183,7 +183,7 @@ def test_metrics_parsing_and_restart_backoff():
         'vllm:num_requests_running{engine="1",model_name="tiny"} 1.0\n'
     )
     assert parse_vllm_load(text) == (4, 2)
-    pool = ModelPoolConfig(restart_backoff_initial_s=2, restart_backoff_max_s=10)
+    pool = ModelPoolConfig(restart_backoff={"initial_s": 2, "max_s": 10})
     delays = [restart_delay_s(pool, n) for n in range(1, 6)]
     assert delays == [2, 4, 8, 10, 10]
 
@@ -415,8 +415,7 @@ def pool(models: Models, tmp_path_factory) -> Pool:
             "cpu_kv_cache_space_gib": 1,
             "startup_timeout_s": START_TIMEOUT_S,
             "health_interval_s": 1,
-            "restart_backoff_initial_s": 0.5,
-            "restart_backoff_max_s": 5,
+            "restart_backoff": {"initial_s": 0.5, "max_s": 5},
             "reload_batch": 1,
             "drain_timeout_s": 60,
             "drain_grace_s": 2.5,

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 import cua_rollout.config as config_module
-from cua_rollout.config import MOVED_KEYS, AgentConfig, Config, load_config, secret_from_env
+from cua_rollout.config import Config, load_config, secret_from_env
 from cua_rollout.core.errors import ConfigError
 from tests.support import REPO_ROOT
 
@@ -45,15 +45,12 @@ model:
   version: ckpt-7
   api_key_env: MY_KEY
   scripted: false
-  scripted_error_rate: 0.1
-  scripted_latency_s: 0.2
   sampling: {temperature: 0.0, top_p: 1.0, max_tokens: 1000, frequency_penalty: 1,
              logprobs: true, return_token_ids: true, seed: 3}
   request_timeout_s: 60
   connect_timeout_s: 2
   retries: 10
-  backoff_initial_s: 1
-  backoff_max_s: 30
+  backoff: {initial_s: 1, max_s: 30}
   outage_wait_s: 120
   routing: least_outstanding
   sticky_max_extra_outstanding: 2
@@ -73,8 +70,7 @@ model_pool:
   env: {VLLM_SERVER_DEV_MODE: "1"}
   startup_timeout_s: 600
   health_interval_s: 2
-  restart_backoff_initial_s: 1
-  restart_backoff_max_s: 60
+  restart_backoff: {initial_s: 1, max_s: 60}
   reload_batch: 2
   drain_timeout_s: 120
   drain_grace_s: 1.5
@@ -132,9 +128,8 @@ desktops:
                context: lab, api_timeout_s: 10, api_outage_s: 60, heartbeat_interval_s: 10,
                heartbeat_timeout_s: 60}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
-              max_retries: 3, runner_num_cpus: 0.5, outage_backoff_initial_s: 2,
-              outage_backoff_max_s: 10, outage_give_up_s: 600, batch_cutoff: 0.98,
-              batch_grace_s: 30}
+              max_retries: 3, runner_num_cpus: 0.5, outage_backoff: {initial_s: 2,
+              max_s: 10}, outage_give_up_s: 600, batch_cutoff: 0.98, batch_grace_s: 30}
 agent: {name: uitars-1.0, history_images: 3, history_texts: 10, max_parse_retries: 2,
         call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
         prompt_language: Chinese, prompt_note: "sudo password is in the note",
@@ -158,7 +153,7 @@ text:
   judge: null
   py: {timeout_s: 3, memory_mb: 256, max_output_bytes: 1000, max_processes: 8, max_file_mb: 4,
        max_scratch_mb: 16, max_scratch_files: 100, tmp_mb: 8, scratch_root: /tmp/scratch}
-  rag: {corpus: corpus.jsonl, top_k: 2, model: some-model, chunk_chars: 500,
+  rag: {corpus: corpus.jsonl, top_k: 2, model: wordllama/l2_supercat_64, chunk_chars: 500,
         max_result_chars: 900, cache_dir: null, retrieval: bm25, dense_weight: 0.5}
   web: {backend: serper, search_url: "http://127.0.0.1:9/search", api_key_env: SERPER_KEY,
         serve_corpus: null, top_k: 2, request_timeout_s: 3, max_page_bytes: 1000,
@@ -457,14 +452,79 @@ def test_a_judge_without_the_name_of_its_model_is_refused() -> None:
     assert named.text.judge is not None and named.text.judge.name == "judge-7b"
 
 
-def test_a_key_that_moved_names_its_new_place(tmp_path):
-    path = tmp_path / "old.yaml"
-    path.write_text("model: {family: uitars-1.0}\nrunner: {history_images: 3}\n")
-    with pytest.raises(ConfigError) as caught:
-        load_config(path)
-    assert "model.family moved to agent.name" in str(caught.value)
-    assert "runner.history_images moved to agent.history_images" in str(caught.value)
-    with pytest.raises(ConfigError, match=r"--set model.max_pixels: model.max_pixels moved to "
-                                          r"agent.max_pixels"):
-        load_config(None, ["model.max_pixels=1000"])
-    assert set(MOVED_KEYS.values()) <= {f"agent.{k}" for k in AgentConfig.model_fields}
+def test_each_backoff_keeps_its_own_defaults_when_partly_set(tmp_path):
+    cfg = load_config(None)
+    assert (cfg.model.backoff.initial_s, cfg.model.backoff.max_s) == (0.5, 20.0)
+    assert (cfg.model_pool.restart_backoff.initial_s, cfg.model_pool.restart_backoff.max_s) == (
+        2.0, 120.0)
+    assert (cfg.coordinator.outage_backoff.initial_s,
+            cfg.coordinator.outage_backoff.max_s) == (1.0, 30.0)
+    # A key left out keeps its use's default, not another use's.
+    cfg = load_config(write(tmp_path, "model_pool: {restart_backoff: {max_s: 60}}"),
+                      ["model.backoff.max_s=3", "coordinator.outage_backoff.initial_s=0.2"])
+    assert (cfg.model.backoff.initial_s, cfg.model.backoff.max_s) == (0.5, 3.0)
+    assert (cfg.model_pool.restart_backoff.initial_s, cfg.model_pool.restart_backoff.max_s) == (
+        2.0, 60.0)
+    assert (cfg.coordinator.outage_backoff.initial_s,
+            cfg.coordinator.outage_backoff.max_s) == (0.2, 30.0)
+    # The model's and the pool's may be 0 (retry at once); the coordinator's would spin.
+    assert load_config(None, ["model.backoff.initial_s=0"]).model.backoff.initial_s == 0
+    with pytest.raises(ConfigError, match=r"coordinator\.outage_backoff: initial_s and max_s "
+                                          r"must be greater than 0"):
+        load_config(None, ["coordinator.outage_backoff.initial_s=0"])
+    with pytest.raises(ConfigError, match=r"model\.backoff\.max_s: Input should be greater"):
+        load_config(None, ["model.backoff.max_s=-1"])
+    with pytest.raises(ConfigError, match=r"model\.backoff\.min_s: unknown key"):
+        load_config(write(tmp_path, "model: {backoff: {min_s: 1}}"))
+
+
+@pytest.mark.parametrize("old, new", [
+    ("model.backoff_initial_s", "model.backoff.initial_s"),
+    ("model.backoff_max_s", "model.backoff.max_s"),
+    ("model_pool.restart_backoff_initial_s", "model_pool.restart_backoff.initial_s"),
+    ("model_pool.restart_backoff_max_s", "model_pool.restart_backoff.max_s"),
+    ("coordinator.outage_backoff_initial_s", "coordinator.outage_backoff.initial_s"),
+    ("coordinator.outage_backoff_max_s", "coordinator.outage_backoff.max_s"),
+    ("text.judge.backoff_max_s", "text.judge.backoff.max_s"),  # a ModelConfig too
+    ("model.family", "agent.name"),  # the agent's settings: a section of their own
+    ("model.max_pixels", "agent.max_pixels"),
+    ("model.constrain_actions", "agent.constrain_actions"),
+    ("runner.history_images", "agent.history_images"),
+    ("runner.call_user", "agent.call_user"),
+])
+def test_a_moved_key_names_its_new_key_from_yaml_and_from_set(tmp_path, old, new):
+    section, key = old.rsplit(".", 1)
+    nested: dict = {key: 3}
+    for part in reversed(section.split(".")):
+        nested = {part: nested}
+    expected = f"{old} moved: it is {new} now"
+    with pytest.raises(ConfigError, match=re.escape(expected)) as info:
+        load_config(write(tmp_path, yaml.safe_dump(nested)))
+    assert "unknown key" not in str(info.value)
+    with pytest.raises(ConfigError, match=re.escape(f"{expected} (from --set)")):
+        load_config(None, [f"{old}=3"])
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        Config.model_validate(nested)
+
+
+@pytest.mark.parametrize("key", ["scripted_error_rate", "scripted_latency_s"])
+def test_the_scripted_demo_knobs_are_removed_with_the_reason(tmp_path, key):
+    expected = rf"model\.{key} was removed: a demo knob of the scripted policy.*model\.endpoints"
+    with pytest.raises(ConfigError, match=expected):
+        load_config(write(tmp_path, f"model: {{scripted: true, {key}: 0.1}}"))
+    with pytest.raises(ConfigError, match=expected):
+        load_config(None, [f"model.{key}=0.1"])
+
+
+def test_the_moved_keys_table_names_real_sections_and_new_keys():
+    for model, moved in config_module.MOVED_KEYS.items():
+        for old, new in moved.items():
+            assert old not in model.model_fields, (model.__name__, old)
+            if isinstance(new, config_module.Removed):
+                continue
+            node: type = model
+            if isinstance(new, config_module.Elsewhere):  # a whole path from the root
+                node, new = Config, new.key
+            for part in new.split("."):  # the new key exists in the schema
+                field = node.model_fields[part]
+                node = config_module._model_in(field.annotation) or field.annotation

@@ -84,7 +84,7 @@ def restart_delay_s(pool: ModelPoolConfig, consecutive_failures: int) -> float:
 
     No jitter: each replica fails on its own clock, and the delays are pinned by a test."""
     exponent = max(0, consecutive_failures - 1)
-    return min(pool.restart_backoff_max_s, pool.restart_backoff_initial_s * 2.0 ** exponent)
+    return min(pool.restart_backoff.max_s, pool.restart_backoff.initial_s * 2.0 ** exponent)
 
 
 @dataclass
@@ -467,7 +467,7 @@ class Supervisor:
                 if ok:
                     r.health_failures = 0
                     stable_s = time.monotonic() - (r.healthy_since or time.monotonic())
-                    if stable_s >= self.pool.restart_backoff_max_s:
+                    if stable_s >= self.pool.restart_backoff.max_s:
                         r.consecutive_failures = 0
                     continue
                 r.health_failures += 1
