@@ -5,6 +5,7 @@ modules stay theirs; the command answers ``--help`` without the heavy dependenci
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 import sys
@@ -23,9 +24,15 @@ CHECKOUT_MODULES = ("config", "run", "run_model", "prompts", "ui_tars_utils", "t
                     "model_service_pool", "env_k8s", "rollout", "desktop", "tests")
 
 
+# A driver that started Ray puts the checkout on PYTHONPATH for its workers (runtime/launch.py);
+# the fresh venv must see none of this process's Python settings.
+_CLEAN_ENV = {k: v for k, v in os.environ.items()
+              if k not in ("PYTHONPATH", "PYTHONHOME", "PYTHONUSERBASE", "VIRTUAL_ENV")}
+
+
 def _run(args: list[str], cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(args, cwd=cwd, capture_output=True, text=True, timeout=300,
-                          check=False)
+    return subprocess.run(args, cwd=cwd, env=_CLEAN_ENV, capture_output=True, text=True,
+                          timeout=300, check=False)
 
 
 def test_the_wheel_installs_one_package_and_a_command(tmp_path):
