@@ -1,23 +1,15 @@
-"""asyncio helpers every actor uses: calling a Ray actor or a local object the same way,
-background tasks that remove themselves when done, and capped, fully jittered backoff."""
+"""asyncio helpers every actor uses: background tasks that remove themselves when done, and
+capped, fully jittered backoff. (Calls to another actor, a Ray handle or a local object alike,
+go through the typed clients of cua_rollout/runtime/actors.py.)"""
 
 from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import Awaitable, Coroutine, Iterator
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
-__all__ = ["TaskSet", "backoff_s", "call"]
-
-
-def call(target: Any, method: str, *args: Any, **kwargs: Any) -> Awaitable[Any]:
-    """Call ``method`` on a Ray actor handle (an awaitable ObjectRef) or a local object, so
-    each actor runs the same in a Ray cluster and in-process (tests, tools)."""
-    fn = getattr(target, method)
-    if hasattr(fn, "remote"):
-        return fn.remote(*args, **kwargs)
-    return asyncio.ensure_future(fn(*args, **kwargs))
+__all__ = ["TaskSet", "backoff_s"]
 
 
 class TaskSet:

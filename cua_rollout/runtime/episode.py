@@ -17,7 +17,7 @@ from typing import Any, NamedTuple, Protocol
 
 from cua_rollout.agents.base import AgentRequest, DesktopAgent, make_agent
 from cua_rollout.config import LEASE_MARGIN_S, Config, DesktopsConfig
-from cua_rollout.core.aio import TaskSet, call
+from cua_rollout.core.aio import TaskSet
 from cua_rollout.core.errors import (
     ActionParseError,
     DesktopError,
@@ -45,6 +45,7 @@ from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv
 from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.client import Generation, ModelServicePool
+from cua_rollout.runtime.actors import PoolClient, StorageClient
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter
 from cua_rollout.runtime.trajectory import (
@@ -265,7 +266,7 @@ class DesktopEpisode:
         timeout_s = self.cfg.desktops.lease_timeout_s
         try:
             return await asyncio.wait_for(
-                call(self.r.desktop_pool, "lease", self.owner, timeout_s, self.avoid),
+                PoolClient(self.r.desktop_pool).lease(self.owner, timeout_s, self.avoid),
                 timeout_s + ACTOR_CALL_TIMEOUT_S)
         except TimeoutError:
             raise DesktopUnavailable(f"the desktop pool did not answer a lease within "
@@ -532,13 +533,13 @@ class DesktopEpisode:
             if not self.uses_desktop:
                 pass
             elif lease is not None:
-                await within(call(self.r.desktop_pool, "release", lease.lease_id, healthy),
+                await within(PoolClient(self.r.desktop_pool).release(lease.lease_id, healthy),
                              ACTOR_CALL_TIMEOUT_S, "the desktop pool (release)")
             else:
                 # A lease granted after this episode stopped waiting for it (a cancel, a
                 # deadline, a call still in transit) must not stay lent to nobody: the pool
                 # releases what this owner holds and refuses it any later grant.
-                await within(call(self.r.desktop_pool, "release_owned", self.owner, True),
+                await within(PoolClient(self.r.desktop_pool).release_owned(self.owner, True),
                              ACTOR_CALL_TIMEOUT_S, "the desktop pool (release_owned)")
         except Exception as exc:  # the pool reclaims the lease at lease_max_s at the latest
             log.error("episode %s: returning its desktop failed: %s", self.spec.episode_id, exc)
@@ -559,8 +560,8 @@ class DesktopEpisode:
                 if failed:
                     raise StorageError(failed)
             if status == Status.CANCELLED:  # no result line will come: the storage forgets it
-                await within(call(self.r.storage, "forget_episode", self.spec.episode_id,
-                                  self.spec.attempt), ACTOR_CALL_TIMEOUT_S, "the storage")
+                await within(StorageClient(self.r.storage).forget_episode(
+                    self.spec.episode_id, self.spec.attempt), ACTOR_CALL_TIMEOUT_S, "the storage")
         except Exception as exc:
             # Files that were not written make the episode an infra error that stops the run
             # (a full disk, a dead storage actor): never a result whose files are missing.
