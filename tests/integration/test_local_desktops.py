@@ -161,8 +161,8 @@ async def test_stale_desktops_of_a_crashed_run_are_swept(tmp_path):
     script = textwrap.dedent(f"""
         import asyncio, os, signal, sys
         sys.path.insert(0, {str(ROOT)!r})
-        from config import DesktopsConfig
-        from env_k8s import LocalProvider
+        from cua_rollout.config import DesktopsConfig
+        from cua_rollout.envs.providers.local import LocalProvider
         cfg = DesktopsConfig.model_validate_json({cfg.model_dump_json()!r})
         async def main():
             desktop = await LocalProvider(cfg).start(0)
