@@ -2,6 +2,10 @@
 
 Every section rejects unknown keys, so a typo fails with its key path and file. Secrets are
 never in the YAML: the config names the environment variables that hold them.
+
+One file on purpose: the schema is the YAML reference, one class per section read top to
+bottom, and every key's docstring is its documentation; loading, overrides and the table of
+moved keys follow it.
 """
 
 from __future__ import annotations

@@ -4,7 +4,10 @@ with each step's screenshot, the action drawn over it, thought, response and tim
 episode's page (math, py, rag, web: docs/text_modes.md) has no images: the question, each
 turn's reply and tool calls (arguments, output, return code, error), and the final answer
 against the task's reference answer, its metric and score. Exit codes: 0, 2 on bad usage or
-RUN_DIR missing."""
+RUN_DIR missing.
+
+One file on purpose: a self-contained report generator (its HTML, CSS and the pages of both
+episode kinds), with no state shared with the rest of the package."""
 
 from __future__ import annotations
 

@@ -42,6 +42,9 @@ Errors: a corpus that cannot be read (missing path, bad JSON line, a passage wit
 passage at all) or an unknown model is a ``ConfigError`` naming the file and line; a missing
 package is ``ToolUnavailable`` naming the extra to install; a bad call of the tool (empty query,
 ``top_k`` out of range) is a ``ToolError`` the model reads.
+
+One file on purpose: the index's build, cache and search share one cache key and its
+invalidation rules.
 """
 
 from __future__ import annotations

@@ -105,6 +105,9 @@ is ``max_processes`` x ``memory_mb`` in total.
 
 Runs of one sandbox are serialized (a lock): the model's parallel calls run one after the other,
 each with its own timeout, and share the scratch directory safely.
+
+One file on purpose: it is a security boundary (namespaces, mounts, limits, cgroup,
+clean-up), reviewed as a whole; its system call filter is seccomp.py.
 """
 
 from __future__ import annotations

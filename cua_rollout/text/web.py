@@ -56,6 +56,9 @@ not the page.
 
 Each tool makes its own client (:func:`make_client`, guarded for fetch), which its ``close``
 closes, or uses one passed in.
+
+One file on purpose: the address guard and the clients that must go through it are
+reviewed together (fetch, redirects, every backend).
 """
 
 from __future__ import annotations

@@ -20,6 +20,9 @@ Versions. Every model version string any record mentions gets a ``seq`` in the o
 database first saw it (``versions``); staleness (``max_staleness``, ``min_version``) compares
 seqs, never the strings. A group's ``min_version_seq`` is its oldest version's; a group with no
 known version never passes a version filter.
+
+One file on purpose: the tables and the claim / ack / release / extend protocol that keeps a
+group with one consumer share every invariant; split, they would be checked apart.
 """
 
 from __future__ import annotations

@@ -23,6 +23,9 @@ owns it (``cua.run/process``: host, pid and start time). At start, at every hear
 stop, pods of other runs are swept when their heartbeat is older than
 ``heartbeat_timeout_s``, or at once when their process was on this host and is gone (a driver
 killed with SIGKILL leaves nothing after the next start). Pods of a live run are never swept.
+
+One file on purpose: a provider is one file (providers/__init__.py); what it shares with
+the others is in providers/base.py.
 """
 
 from __future__ import annotations

@@ -1,6 +1,9 @@
 """The fleet supervisor: starts the replicas, restarts those that die or hang (with backoff),
 publishes them in ``endpoints.json``, and rolls a new checkpoint onto them batch by batch.
-Its methods return values; the control server maps them to HTTP."""
+Its methods return values; the control server maps them to HTTP.
+
+One file on purpose: the supervision state machine (start, health, restart with backoff,
+rolling reload) whose transitions share the replicas table and the state directory it locks."""
 
 from __future__ import annotations
 
