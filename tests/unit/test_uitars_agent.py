@@ -12,6 +12,7 @@ from PIL import Image
 from cua_rollout.agents.base import AGENTS, agent_class, make_agent
 from cua_rollout.agents.uitars import action_regex, parse_response
 from cua_rollout.agents.uitars.agent import UITars10Agent, UITars15Agent
+from cua_rollout.agents.uitars.coordinates import frame_of
 from cua_rollout.agents.uitars.prompt import build_messages
 from cua_rollout.config import AgentConfig, load_config
 from cua_rollout.core.errors import ActionParseError, ConfigError
@@ -110,3 +111,15 @@ def test_the_families_read_coordinates_in_their_own_frame():
     reply = "Action: click(start_box='(500,500)')"
     assert a10.parse(reply, shot).actions[0].point == (640, 360)  # 0..1000 relative
     assert a15.parse(reply, shot).actions[0].point != (640, 360)  # resized pixels
+
+
+def test_a_screens_frame_is_made_once_and_maps_both_ways():
+    frame = frame_of(1920, 1080)
+    assert frame is frame_of(1920, 1080)  # cached per screen size, family and bounds
+    assert (frame.width, frame.height) == (1932.0, 1092.0)  # smart_resize(1080, 1920)
+    assert frame.limits == (1931, 1091)
+    assert frame.to_screen(frame.to_model((960, 540))) == (960, 540)
+    assert frame.to_model((5000, -5)) == (1931, 0)  # clamped into the frame
+    assert frame_of(1920, 1080, "uitars-1.0").limits == (1000, 1000)
+    with pytest.raises(ValueError, match="unknown model family 'uitars-9'"):
+        frame_of(1920, 1080, "uitars-9")

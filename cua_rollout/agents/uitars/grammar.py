@@ -6,7 +6,7 @@ from __future__ import annotations
 import functools
 import math
 
-from cua_rollout.agents.uitars.coordinates import RELATIVE_SCALE, frame_limits, model_frame
+from cua_rollout.agents.uitars.coordinates import RELATIVE_SCALE, frame_of
 from cua_rollout.agents.uitars.parser import NAMED_KEYS, SCROLL_DIRECTIONS
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.vision import (
@@ -104,10 +104,8 @@ def action_regex(
     on them (importance ratios, KL terms) must treat the masked process as the behaviour
     policy.
     """
-    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
-    x_max, y_max = frame_limits(
-        model_frame(screen_width, screen_height, family, **pixels), family
-    )
+    x_max, y_max = frame_of(screen_width, screen_height, family, min_pixels=min_pixels,
+                            max_pixels=max_pixels).limits
     point = r"'\(" + _int_range_regex(x_max) + "," + _int_range_regex(y_max) + r"\)'"
     content = f"'{_CONTENT_UNIT}{{0,{ACTION_REGEX_CONTENT_CHARS}}}'"
     keys = f"{_REGEX_KEY}( {_REGEX_KEY}){{0,{_HOTKEY_MAX_KEYS - 1}}}"
@@ -135,7 +133,7 @@ def _max_frame_side(family: str, *, min_pixels: int, max_pixels: int) -> int:
     if family == "uitars-1.0":
         return RELATIVE_SCALE + 1
     if family != "uitars-1.5":
-        model_frame(1, 1, family)  # raises the unknown-family error
+        frame_of(1, 1, family)  # raises the unknown-family error
     return max(
         max_pixels // IMAGE_FACTOR,
         math.isqrt(max_pixels * MAX_RATIO) + 1,
@@ -161,10 +159,8 @@ def action_regex_max_chars(
         side = _max_frame_side(family, min_pixels=min_pixels, max_pixels=max_pixels)
         x_max = y_max = side - 1
     else:
-        frame = model_frame(
-            screen_width, screen_height, family, min_pixels=min_pixels, max_pixels=max_pixels
-        )
-        x_max, y_max = frame_limits(frame, family)
+        x_max, y_max = frame_of(screen_width, screen_height, family, min_pixels=min_pixels,
+                                max_pixels=max_pixels).limits
     point = len("'(,)'") + len(str(x_max)) + len(str(y_max))
     content = 2 + 2 * ACTION_REGEX_CONTENT_CHARS  # quotes, and each unit up to an escape pair
     keys = _HOTKEY_MAX_KEYS * _REGEX_KEY_CHARS + (_HOTKEY_MAX_KEYS - 1)

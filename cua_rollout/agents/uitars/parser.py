@@ -8,7 +8,7 @@ import math
 import re
 from dataclasses import dataclass, field
 
-from cua_rollout.agents.uitars.coordinates import model_frame, model_to_screen
+from cua_rollout.agents.uitars.coordinates import Frame, frame_of
 from cua_rollout.core.errors import ActionParseError
 from cua_rollout.core.vision import (
     MAX_PIXELS,
@@ -163,8 +163,9 @@ def parse_response(
     """
     if not isinstance(text, str):
         raise ActionParseError("model reply is not text", repr(text))
-    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
-    model_frame(screen_width, screen_height, family, **pixels)  # validates family, size early
+    # Made once per reply (and cached per screen size); validates family and size early.
+    frame = frame_of(screen_width, screen_height, family, min_pixels=min_pixels,
+                     max_pixels=max_pixels)
     body = text.strip()
     if not body:
         raise ActionParseError("empty model reply", text)
@@ -190,8 +191,7 @@ def parse_response(
         raise ActionParseError("'Action:' is empty", text)
 
     actions = [
-        _build_action(name, args, call, screen_width, screen_height, family, **pixels)
-        for name, args, call in _split_calls(action_text)
+        _build_action(name, args, call, frame) for name, args, call in _split_calls(action_text)
     ]
     return ParsedResponse(
         thought=sections.get("Thought") or None,
@@ -365,12 +365,7 @@ def _build_action(
     name: str,
     args: list[tuple[str | None, str, bool]],
     call: str,
-    screen_width: int,
-    screen_height: int,
-    family: str,
-    *,
-    min_pixels: int = MIN_PIXELS,
-    max_pixels: int = MAX_PIXELS,
+    frame: Frame,
 ) -> Action:
     kind = _KIND_ALIASES.get(name.lower(), name.lower())
     if kind not in ACTION_KINDS:
@@ -393,17 +388,12 @@ def _build_action(
             raise ActionParseError(f"{kind}() needs {required!r}", call)
 
     action = Action(kind=kind, call=call)
-    pixels = {"min_pixels": min_pixels, "max_pixels": max_pixels}
     if "start_box" in values:
         action.model_point = _parse_box(values["start_box"], call)
-        action.point = model_to_screen(
-            action.model_point, screen_width, screen_height, family, **pixels
-        )
+        action.point = frame.to_screen(action.model_point)
     if "end_box" in values:
         action.model_end_point = _parse_box(values["end_box"], call)
-        action.end_point = model_to_screen(
-            action.model_end_point, screen_width, screen_height, family, **pixels
-        )
+        action.end_point = frame.to_screen(action.model_end_point)
     if "content" in values:
         action.content = values["content"]
     if "key" in values:
