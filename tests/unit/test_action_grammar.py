@@ -22,8 +22,6 @@ from cua_rollout.agents.uitars import (
     Action,
     action_regex,
     action_regex_max_chars,
-    format_action,
-    format_response,
     model_to_screen,
     normalize_key,
     parse_response,
@@ -37,6 +35,7 @@ from cua_rollout.core.vision import (
     image_tokens,
     smart_resize,
 )
+from tests.uitars_replies import format_action, format_response
 
 # The module's private helpers, reached as attributes (the layout forbids importing them).
 _int_range_regex = grammar._int_range_regex

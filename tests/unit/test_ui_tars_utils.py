@@ -14,8 +14,6 @@ from cua_rollout.agents.uitars import (
     ACTION_KINDS,
     Action,
     add_box_token,
-    format_action,
-    format_response,
     model_to_screen,
     normalize_key,
     parse_response,
@@ -28,6 +26,7 @@ from cua_rollout.core.types import DONE, FAIL, WAIT
 from cua_rollout.core.vision import MAX_PIXELS, MIN_PIXELS, smart_resize
 from cua_rollout.desktop.protocol import execute_command
 from tests.support import TESTS_DIR
+from tests.uitars_replies import format_action, format_response
 
 CORPUS_PATH = TESTS_DIR / "data" / "uitars_corpus.jsonl"
 CORPUS = [json.loads(line) for line in CORPUS_PATH.read_text(encoding="utf-8").splitlines()]

@@ -27,7 +27,7 @@ from cua_rollout.agents.uitars.grammar import (
     action_regex,
     action_regex_max_chars,
 )
-from cua_rollout.agents.uitars.history import add_box_token, format_action, format_response
+from cua_rollout.agents.uitars.history import add_box_token
 from cua_rollout.agents.uitars.parser import (
     ACTION_KINDS,
     KEY_KINDS,
@@ -44,6 +44,6 @@ __all__ = [
     "ACTION_KINDS", "ACTION_REGEX_CONTENT_CHARS", "ACTION_REGEX_THOUGHT_CHARS", "FAMILIES",
     "KEY_KINDS", "POINTER_KINDS", "RELATIVE_SCALE", "SCROLL_DIRECTIONS", "TERMINAL_KINDS",
     "Action", "Family", "ParsedResponse", "action_regex", "action_regex_max_chars",
-    "add_box_token", "format_action", "format_response", "model_to_screen", "normalize_key",
+    "add_box_token", "model_to_screen", "normalize_key",
     "parse_response", "screen_to_model", "split_terminal", "to_pyautogui",
 ]
