@@ -109,7 +109,7 @@ class Rollout:
         try:
             stack.enter_context(DirectoryLock(self.run_dir, RUN_LOCK_FILE))
         except LockHeld as exc:
-            raise FatalSetupError(f"another run ({exc.holder}) is writing {self.run_dir}; "
+            raise FatalSetupError(f"another run.py ({exc.holder}) is writing {self.run_dir}; "
                                   "wait for it to end or use another run.name") from None
         TaskLoader(cfg.tasks, self.run_dir)
         check_text_modes(cfg)
