@@ -40,22 +40,27 @@ _INSTRUCTION_HEADER = "## User Instruction\n"
 
 
 def load_solutions(roots: Iterable[Path]) -> dict[str, list[str]]:
-    """instruction -> reference replies, from every task JSON under ``roots`` that has one."""
+    """instruction -> reference replies, from every task JSON under ``roots`` (or a JSONL task
+    file among them) that has one."""
     solutions: dict[str, list[str]] = {}
     for root in roots:
         root = Path(root)
         files = [root] if root.is_file() else sorted(root.rglob("*.json"))
         for path in files:
             try:
-                task = json.loads(path.read_text(encoding="utf-8"))
+                text = path.read_text(encoding="utf-8")
+                # A JSONL task file holds a task per line; a JSON file one task (or a list).
+                tasks = ([json.loads(x) for x in text.splitlines() if x.strip()]
+                         if path.suffix == ".jsonl" else [json.loads(text)])
             except (OSError, ValueError):
                 continue  # task lists and broken files are the task loader's business
-            if not isinstance(task, dict) or not task.get("reference_solution"):
-                continue
-            replies = task["reference_solution"]
-            if not (isinstance(replies, list) and all(isinstance(r, str) for r in replies)):
-                raise ConfigError(f"{path}: reference_solution must be a list of strings")
-            solutions[str(task["instruction"]).strip()] = replies
+            for task in tasks:
+                if not isinstance(task, dict) or not task.get("reference_solution"):
+                    continue
+                replies = task["reference_solution"]
+                if not (isinstance(replies, list) and all(isinstance(r, str) for r in replies)):
+                    raise ConfigError(f"{path}: reference_solution must be a list of strings")
+                solutions[str(task["instruction"]).strip()] = replies
     return solutions
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 __all__ = [
     "EPISODE_FILE",
+    "GIVEN_TASKS_FILE",
     "INDEX_FILE",
     "MESSAGES_FILE",
     "METRICS_FILE",
@@ -30,6 +31,7 @@ SUPERSEDED_RESULTS_FILE = "results.superseded.jsonl"  # lines a rerun or a repai
 METRICS_FILE = "metrics.jsonl"         # the coordinator's samples over time
 INDEX_FILE = "index.db"                # the trainer's index (SQLite, WAL), cua_rollout.training
 TASK_CONFIG_FILE = "task_config.json"  # the task as run
+GIVEN_TASKS_FILE = "given_tasks.jsonl"  # tasks handed to Rollout(tasks=...): the run's source
 TRAJ_FILE = "traj.jsonl"               # one line per step, OSWorld's fields + ours
 EPISODE_FILE = "episode.json"          # the episode's result record
 OSWORLD_RESULT_FILE = "result.txt"     # the reward, as OSWorld writes it (scored episodes)

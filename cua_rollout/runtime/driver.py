@@ -1,5 +1,5 @@
-"""``Rollout``: one run driven from Python — what ``cua-rollout run`` (run.py), the benchmarks
-and a trainer in the same process use.
+"""``Rollout``: one run driven from Python — what ``cua-rollout run`` (run.py), the tests and a
+trainer in the same process use.
 
     with Rollout(cfg) as rollout:              # checks, Ray, endpoints, actors, tasks
         for record in rollout.results():       # each finished episode's results.jsonl line
@@ -10,22 +10,25 @@ and a trainer in the same process use.
         async for record in rollout.aresults():
             ...
 
-Tasks come from the config's sources (``tasks.*``): files, benchmarks, or a JSONL file that
-grows (service mode, ``tasks.passes: 0``). ``drain()`` stops handing out episodes and lets
-running ones finish, ``cancel()`` cancels them (run.py's first and second Ctrl-C). A rerun of
-the same config resumes: episodes in results.jsonl are not run again. Decoupled trainers
-read the claim-based index instead (cua_rollout.training).
+Tasks come from the config's sources (``tasks.*``: files, benchmarks, a JSONL file that grows
+in service mode, ``tasks.passes: 0``) or are handed over: ``Rollout(cfg, tasks=[...])``.
+``drain()`` stops handing out episodes and lets running ones finish, ``cancel()`` cancels them
+(run.py's first and second Ctrl-C). A rerun of the same config resumes: episodes in
+results.jsonl are not run again. Decoupled trainers read the claim-based index instead
+(cua_rollout.training).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import platform
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterable, Iterator, Mapping
 from contextlib import ExitStack
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -33,9 +36,9 @@ import ray
 from cua_rollout.agents.uitars.grammar import check_max_tokens
 from cua_rollout.config import Config
 from cua_rollout.core.errors import FatalSetupError
-from cua_rollout.core.files import DirectoryLock, LockHeld
+from cua_rollout.core.files import DirectoryLock, LockHeld, write_atomic
 from cua_rollout.core.http import redact_urls
-from cua_rollout.core.layout import RUN_LOCK_FILE
+from cua_rollout.core.layout import GIVEN_TASKS_FILE, RUN_LOCK_FILE
 from cua_rollout.evaluation.preflight import TaskChecker
 from cua_rollout.model.fleet.child import PoolChild
 from cua_rollout.results import load_run, summarize
@@ -73,8 +76,14 @@ class Rollout:
     it (or leave it). Not thread-safe, but ``drain`` and ``cancel`` may be called from a
     signal handler or another thread."""
 
-    def __init__(self, cfg: Config, *, command: list[str] | None = None) -> None:
+    def __init__(self, cfg: Config, *, tasks: Iterable[Mapping[str, Any]] | None = None,
+                 command: list[str] | None = None) -> None:
+        """``tasks``: OSWorld-format task dicts to run instead of the config's desktop task
+        source (its text benchmarks stay); they are written to the run directory
+        (``given_tasks.jsonl``) once the run is ours, so a rerun with the same tasks resumes
+        and the results keep their tasks beside them."""
         self.cfg = absolute_paths(cfg)
+        self.tasks = None if tasks is None else [dict(t) for t in tasks]
         self.run_dir = self.cfg.run_dir.resolve()
         self.command = list(sys.argv if command is None else command)
         self.status = "failed"        # finished | interrupted | stopped | failed
@@ -111,6 +120,8 @@ class Rollout:
         except LockHeld as exc:
             raise FatalSetupError(f"another run.py ({exc.holder}) is writing {self.run_dir}; "
                                   "wait for it to end or use another run.name") from None
+        if self.tasks is not None:
+            cfg = self.cfg = _with_given_tasks(cfg, self.run_dir, self.tasks)
         TaskLoader(cfg.tasks, self.run_dir)
         check_text_modes(cfg)
         if cfg.agent.constrain_actions:
@@ -275,3 +286,12 @@ class Rollout:
         with self:
             return list(self.results())
 
+
+def _with_given_tasks(cfg: Config, run_dir: Path, tasks: list[dict[str, Any]]) -> Config:
+    """``cfg`` with ``tasks`` as its desktop task source: a JSONL file in the run directory
+    (written atomically; the loader validates each task as it would a file's)."""
+    path = run_dir / GIVEN_TASKS_FILE
+    write_atomic(path, "".join(json.dumps(t, ensure_ascii=False) + "\n"
+                               for t in tasks).encode("utf-8"))
+    return cfg.model_copy(update={"tasks": cfg.tasks.model_copy(
+        update={"source": path, "examples_dir": None, "domains": None, "task_ids": None})})

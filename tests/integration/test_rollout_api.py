@@ -68,3 +68,28 @@ def test_a_drained_run_ends_interrupted_and_a_rerun_finishes_it(tmp_path):
     assert rollout.summary is None  # no finished episode
     rest = Rollout(_config(tmp_path, "drained")).run()
     assert len(rest) == 2 * len(items)
+
+
+def test_tasks_handed_over_in_memory_run_on_real_desktops_and_resume(tmp_path):
+    """A trainer's own task dicts (OSWorld format), not a task file: played on a real local
+    desktop by the scripted policy, their file kept in the run directory, a rerun with the
+    same tasks runs nothing twice."""
+    examples = REPO_ROOT / "tasks" / "demo" / "examples"
+    tasks = [json.loads((examples / d / f"{i}.json").read_text())
+             for d, i in (("terminal", "terminal-hello-file"), ("calculator", "calc-add"))]
+    for task in tasks:
+        task["domain"] = "given"
+    cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
+        "run.name=given", f"run.output_dir={tmp_path / 'results'}", "desktops.count=1",
+        "tasks.rollouts_per_task=1", "coordinator.max_concurrent_episodes=1",
+        "coordinator.episodes_per_runner=1", "ray.include_dashboard=false",
+        f"desktops.local.state_dir={tmp_path / 'desktops'}"])
+    with Rollout(cfg, tasks=tasks) as rollout:
+        records = list(rollout.results())
+    assert rollout.status == "finished", rollout.problems
+    assert sorted((r["task_id"], r["status"]) for r in records) == [
+        ("calc-add", "success"), ("terminal-hello-file", "success")]
+    given = (rollout.run_dir / "given_tasks.jsonl").read_text().splitlines()
+    assert [json.loads(x)["id"] for x in given] == ["terminal-hello-file", "calc-add"]
+    again = Rollout(cfg, tasks=tasks).run()
+    assert again == []
