@@ -130,8 +130,9 @@ def scripted_policy_server(cfg: Config, *, host: str = "127.0.0.1", error_rate: 
     roots: list[Path] = []
     if cfg.tasks.needs_desktops:
         source = Path(cfg.tasks.source)  # type: ignore[arg-type]
-        # A task list: its folder holds the tasks; a JSONL file or a folder holds them itself.
-        roots.append(source if source.is_dir() or source.suffix == ".jsonl" else source.parent)
+        roots.append(source if source.is_dir() else source.parent)
+        if source.suffix == ".jsonl":  # a JSONL task file holds its tasks (and solutions) itself
+            roots.append(source)
         if cfg.tasks.examples_dir is not None:
             roots.append(Path(cfg.tasks.examples_dir))
     solutions = load_solutions(roots)
