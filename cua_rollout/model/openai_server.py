@@ -144,6 +144,8 @@ class OpenAIServer(ThreadedServer):
         port: int = 0,
     ) -> None:
         super().__init__(self, host=host, port=port)
+        if policy is None and type(self).answer is OpenAIServer.answer:
+            raise TypeError(f"{type(self).__name__} needs a policy or its own answer()")
         self.policy = policy
         self.model = model
         self.owned_by = owned_by
@@ -162,8 +164,7 @@ class OpenAIServer(ThreadedServer):
 
     def answer(self, call: ChatCall) -> Completion | HttpReply:
         """The reply to one chat request: ``policy``'s, unless a subclass says otherwise."""
-        if self.policy is None:
-            raise NotImplementedError("an OpenAIServer needs a policy or an answer()")
+        assert self.policy is not None  # checked when the server was made
         return self.policy(call)
 
     # ----------------------------------------------------------------- requests
