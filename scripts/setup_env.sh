@@ -9,6 +9,8 @@
 #                                        #   the osworld desktop apps (LibreOffice, GIMP, VLC ...)
 #   bash scripts/setup_env.sh --containers  # + podman (runc) and the desktop image it runs
 #                                        #   (desktops.provider: container); --dev includes it
+#   bash scripts/setup_env.sh --vm       # + QEMU, qemu-img, OVMF (VM desktops, cua_rollout/vm) and
+#                                        #   busybox-static, cpio (the tests' tiny guest); --dev includes it
 #   bash scripts/setup_env.sh --vlm      # + serving vision-language models on vLLM's CPU build
 #                                        #   (torchvision isolated in .venv/vlm-cpu-site) and the
 #                                        #   tiny random VLM of configs/demo_vlm.yaml (.models/);
@@ -28,17 +30,19 @@ dev=0
 osworld=0
 vlm=0
 containers=0
+vm=0
 vllm=""
 apt=1
 while [ $# -gt 0 ]; do
     case "$1" in
-        --dev) dev=1; osworld=1; vlm=1; containers=1 ;;
+        --dev) dev=1; osworld=1; vlm=1; containers=1; vm=1 ;;
+        --vm) vm=1 ;;
         --vlm) vlm=1 ;;
         --containers) containers=1 ;;
         --osworld) osworld=1 ;;
         --vllm) vllm="${2:?--vllm needs auto, cpu, gpu or none}"; shift ;;
         --no-apt) apt=0 ;;
-        -h|--help) sed -n '2,19p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
@@ -69,6 +73,9 @@ apt_packages+=(bubblewrap libseccomp2)
 # Container desktops: podman with Debian's runc (its default crun refuses this kind of VM's
 # cgroups v1), and debootstrap for the image's Debian base where no registry is reachable.
 [ "$containers" = 1 ] && apt_packages+=(podman runc debootstrap uidmap slirp4netns fuse-overlayfs)
+# VM desktops (cua_rollout/vm): QEMU 7.2, qemu-img for the per-VM overlays, OVMF for UEFI
+# images such as OSWorld's; busybox-static and cpio build the tests' tiny guest's initramfs.
+[ "$vm" = 1 ] && apt_packages+=(qemu-system-x86 qemu-utils ovmf busybox-static cpio)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do
@@ -187,4 +194,4 @@ if [ "$osworld" = 1 ]; then
         echo "$owant" > "$ostamp"
     fi
 fi
-log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, vision-language: $([ "$vlm" = 1 ] && echo yes || echo no), container desktops: $([ "$containers" = 1 ] && echo yes || echo no), OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"
+log "ready: $("$py" --version), extras [$extras], vLLM: $vllm, vision-language: $([ "$vlm" = 1 ] && echo yes || echo no), container desktops: $([ "$containers" = 1 ] && echo yes || echo no), VM desktops: $([ "$vm" = 1 ] && echo yes || echo no), OSWorld evaluators: $([ "$osworld" = 1 ] && echo yes || echo no)"

@@ -1,10 +1,10 @@
 """The layout's rules (docs/architecture.md). The layers of ``cua_rollout`` and the
-independence of its desktop server are import-linter contracts (pyproject.toml
-``[tool.importlinter]``), checked here together with what the library cannot express: no
-import cycle between subpackages (function-level imports included), an ``__all__`` in every
-module, no private name imported across modules, no ``sys.path`` edits in product code,
-the top-level files and scripts as entry points only, benchmarks that use ``tests.doubles``
-and nothing else of tests/."""
+independence of its desktop server and of its VM machine layer are import-linter contracts
+(pyproject.toml ``[tool.importlinter]``), checked here together with what the library cannot
+express: no import cycle between subpackages (function-level imports included), an ``__all__``
+in every module, no private name imported across modules, no ``sys.path`` edits in product
+code, the top-level files and scripts as entry points only, benchmarks that use
+``tests.doubles`` and nothing else of tests/."""
 
 from __future__ import annotations
 
@@ -63,13 +63,15 @@ def _lint_imports(cwd: Path, env: dict[str, str] | None = None) -> subprocess.Co
 def test_the_import_contracts_hold():
     done = _lint_imports(ROOT)
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "BROKEN" not in done.stdout and done.stdout.count("KEPT") == 4, done.stdout
+    assert "BROKEN" not in done.stdout and done.stdout.count("KEPT") == 5, done.stdout
 
 
 @pytest.mark.parametrize(("importer", "imported"), [
     ("core/errors.py", "cua_rollout.runtime.runner"),      # vocabulary on top of the runtime
     ("config.py", "cua_rollout.agents.uitars"),            # the schema on top of an agent
     ("desktop/server.py", "cua_rollout.core.errors"),      # the desktop server not standalone
+    ("vm/machine.py", "cua_rollout.core.errors"),          # the VM layer not standalone
+    ("vm/spec.py", "cua_rollout.desktop.protocol"),        # nor beside the desktop server
     ("agents/uitars/parser.py", "cua_rollout.envs.client"),  # an agent on a desktop client
 ])
 def test_the_contracts_catch_an_import_against_them(tmp_path, importer, imported):
