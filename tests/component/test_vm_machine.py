@@ -18,6 +18,7 @@ import sys
 import tempfile
 import textwrap
 from collections.abc import AsyncIterator, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -308,3 +309,27 @@ async def test_probe_kvm_answers_with_a_reason():
     usable, reason = await probe_kvm(timeout_s=5)
     assert isinstance(usable, bool) and reason
     assert await probe_kvm(timeout_s=5) == (usable, reason)  # cached per process
+
+
+async def test_a_uefi_vm_boots_saves_and_restores_with_its_own_variables(spec, workdir, machines):
+    """OVMF with the code read-only once and a per-VM copy of the variables template; the
+    state carries the variables as they were at the save."""
+    code = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+    template = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+    if not code.exists() or not template.exists():
+        unavailable("OVMF is not installed (scripts/setup_env.sh --vm)")
+    uefi = replace(spec, firmware="uefi", ovmf_code=code, ovmf_vars=template)
+    template_before = _digest(template)
+    machine = _new(uefi, workdir, machines)
+    await machine.start_fresh()
+    cmdline = Path(f"/proc/{machine.pid}/cmdline").read_bytes().decode().split("\0")
+    assert sum(str(code) in arg for arg in cmdline) == 1
+    assert any(arg.endswith(f"file={machine.directory / 'vars.fd'}") for arg in cmdline)
+    await machine.wait_serial(READY_LINE, BOOT_TIMEOUT_S)
+
+    cache = ReadyStateCache(workdir / "states-uefi")
+    state = await cache.get_or_build(uefi, machine.save_state)
+    assert state.vars is not None and state.vars.exists()
+    await machine.restore(state)
+    assert (await _get(machine, "/hello")).status_code == 200
+    assert _digest(template) == template_before
