@@ -27,6 +27,7 @@ import subprocess
 import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 from qemu.qmp import QMPClient, QMPError
 
@@ -179,6 +180,28 @@ class Machine:
                 raise VMError(f"{self.name}: no '{text}' on the serial port in {timeout_s:g} s")
             await asyncio.sleep(0.05)
 
+    async def health(self) -> str | None:
+        """None while the VM runs; else what is wrong with it, named for the caller's
+        quarantine: QEMU gone, QMP silent, the disk full (QEMU pauses a VM whose overlay
+        hits ENOSPC rather than fail its writes), or paused otherwise. Whether the guest's
+        own server answers is the caller's check."""
+        if not self.alive():
+            code = self._proc.returncode if self._proc is not None else None
+            return f"QEMU exited (code {code}){self._stderr_tail()}"
+        try:
+            status = await self.query_status()
+            if status == "running":
+                return None
+            if status == "io-error":
+                for device in await self._execute("query-block") or []:
+                    if device.get("io-status") == "nospace":
+                        return (f"disk full: the overlay in {self.directory} has no space left "
+                                "(the VM is paused)")
+                return "disk I/O error (the VM is paused)"
+            return f"the VM is {status}, not running"
+        except VMError as exc:
+            return f"QMP does not answer: {exc}"
+
     async def query_status(self) -> str:
         """QEMU's run state (``running``, ``paused``, ``inmigrate`` ...)."""
         return str((await self._execute("query-status"))["status"])
@@ -328,7 +351,7 @@ class Machine:
             await asyncio.sleep(POLL_S)
 
     async def _execute(self, command: str, arguments: dict[str, object] | None = None, *,
-                       timeout_s: float | None = None) -> dict:
+                       timeout_s: float | None = None) -> Any:
         if self._qmp is None or not self.alive():
             raise VMError(f"{self.name}: QEMU is not running{self._stderr_tail()}")
         try:
@@ -339,7 +362,7 @@ class Machine:
                           f"{timeout_s or self.qmp_timeout_s:g} s") from exc
         except (QMPError, OSError, EOFError) as exc:
             raise VMError(f"{self.name}: QMP {command} failed: {exc}") from exc
-        return result if isinstance(result, dict) else {}
+        return result
 
     def _signal(self, sig: int) -> None:
         if self.alive():

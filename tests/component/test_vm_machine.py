@@ -33,7 +33,7 @@ from tests.doubles.vm_guest import (
     build_test_guest,
     make_base_disk,
 )
-from tests.support import REPO_ROOT, unavailable
+from tests.support import REPO_ROOT, small_filesystem, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -333,3 +333,36 @@ async def test_a_uefi_vm_boots_saves_and_restores_with_its_own_variables(spec, w
     await machine.restore(state)
     assert (await _get(machine, "/hello")).status_code == 200
     assert _digest(template) == template_before
+
+
+async def test_a_full_overlay_disk_is_named_and_the_vm_paused(spec, state, workdir, machines):
+    """The VM's directory on an 8 MB filesystem; the guest writes 24 MB to its disk: QEMU
+    pauses the VM (werror=enospc) and health() says the disk is full."""
+    with small_filesystem(workdir / "small", 8 * 2**20) as small:
+        machine = Machine(spec, small)
+        machines.append(machine)
+        await machine.start_from(state)
+        assert await machine.health() is None
+        url = f"http://127.0.0.1:{machine.ports[GUEST_HTTP_PORT]}/cgi-bin/disk-fill?24"
+        async with httpx.AsyncClient(timeout=1) as client:
+            with contextlib.suppress(httpx.TimeoutException):  # the paused VM never answers
+                await client.get(url)
+        for _ in range(600):
+            if (problem := await machine.health()) is not None:
+                break
+            await asyncio.sleep(0.1)
+        assert problem is not None and problem.startswith("disk full"), problem
+        await machine.stop()
+        assert not machine.directory.exists()
+
+
+async def test_health_names_a_dead_qemu(spec, state, workdir, machines):
+    machine = _new(spec, workdir, machines)
+    await machine.start_from(state)
+    assert await machine.health() is None
+    os.kill(machine.pid or 0, signal.SIGKILL)
+    for _ in range(500):
+        if not machine.alive():
+            break
+        await asyncio.sleep(0.01)
+    assert (await machine.health() or "").startswith("QEMU exited")

@@ -11,6 +11,7 @@ The guest's HTTP server (busybox httpd, document root in RAM) answers:
     /hello                  ``hello from the test guest``
     /cgi-bin/mark           writes ``dirty`` into /www/mark (guest RAM), then /mark is served
     /cgi-bin/disk-write?X   writes ``X`` (word characters only) at the start of /dev/vda, synced
+    /cgi-bin/disk-fill?N    writes N MiB of random bytes over /dev/vda (fills an overlay)
     /cgi-bin/disk-read      the first 16 bytes of /dev/vda, read with O_DIRECT (not the page
                             cache, so it shows what the disk holds)
 """
@@ -67,6 +68,12 @@ cat > /www/cgi-bin/disk-write <<'EOF'
 word=$(echo "$QUERY_STRING" | tr -cd 'A-Za-z0-9_')
 printf '%-16s' "$word" | dd of=/dev/vda bs=16 count=1 conv=notrunc,fsync 2>/dev/null
 printf 'Content-Type: text/plain\\r\\n\\r\\nwrote %s\\n' "$word"
+EOF
+cat > /www/cgi-bin/disk-fill <<'EOF'
+#!/bin/sh
+mb=$(echo "$QUERY_STRING" | tr -cd '0-9')
+dd if=/dev/urandom of=/dev/vda bs=1M count="$mb" oflag=direct 2>/dev/null
+printf 'Content-Type: text/plain\\r\\n\\r\\nfilled %s MB\\n' "$mb"
 EOF
 cat > /www/cgi-bin/disk-read <<'EOF'
 #!/bin/sh
