@@ -366,3 +366,37 @@ async def test_health_names_a_dead_qemu(spec, state, workdir, machines):
             break
         await asyncio.sleep(0.01)
     assert (await machine.health() or "").startswith("QEMU exited")
+
+
+async def test_the_launcher_serves_resets_and_stops_one_vm(spec, state, workdir, tmp):
+    """``python -m cua_rollout.vm`` (a pod's launcher) with the module's ready state cached:
+    a JSON line with the ports, a reset on SIGUSR1, a clean stop on SIGTERM."""
+    spec_file = tmp / "spec.json"
+    spec_file.write_text(json.dumps({
+        "image": str(spec.image), "firmware": "bios", "memory_mb": spec.memory_mb, "cpus": 1,
+        "accel": "tcg", "kernel": str(spec.kernel), "initrd": str(spec.initrd),
+        "append": spec.append, "forwards": {str(GUEST_HTTP_PORT): 0}}))
+    root = workdir / "launched"
+    launcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "cua_rollout.vm", "--spec", str(spec_file), "--root", str(root),
+        "--cache", str(state.directory.parent), cwd=REPO_ROOT, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    assert launcher.stdout is not None
+    try:
+        started = json.loads(await asyncio.wait_for(launcher.stdout.readline(), 120))
+        port = started["ports"][str(GUEST_HTTP_PORT)]
+        async with httpx.AsyncClient(timeout=10) as client:
+            url = f"http://127.0.0.1:{port}"
+            assert (await client.get(f"{url}/cgi-bin/mark")).status_code == 200
+            launcher.send_signal(signal.SIGUSR1)
+            reset = json.loads(await asyncio.wait_for(launcher.stdout.readline(), 120))
+            assert reset["reset"] and reset["pid"] != started["pid"]
+            assert (await client.get(f"{url}/mark")).status_code == 404
+        launcher.send_signal(signal.SIGTERM)
+        assert await asyncio.wait_for(launcher.wait(), 60) == 0
+    finally:
+        if launcher.returncode is None:
+            launcher.kill()
+            await launcher.wait()
+    assert list(root.iterdir()) == []
+    assert not Path(f"/proc/{reset['pid']}").exists() or _is_zombie(reset["pid"])
