@@ -61,6 +61,7 @@ __all__ = [
     "TasksConfig",
     "TextConfig",
     "TextMode",
+    "VMDesktopsConfig",
     "VerifyConfig",
     "WebToolConfig",
     "load_config",
@@ -464,6 +465,53 @@ class ContainerDesktopsConfig(_Section):
     """Deadline for a container's desktop server to answer after ``run``."""
 
 
+class VMDesktopsConfig(_Section):
+    """Desktops as QEMU virtual machines of a disk image, started by the pool
+    (``docs/vm_desktops.md``): each on a copy-on-write overlay of the one base image, started
+    and reset by restoring the image's ready state (saved once, after a first boot)."""
+
+    image: Path | None = None
+    """The base disk image (qcow2 or raw): OSWorld's ``Ubuntu.qcow2``, or the test image of
+    ``scripts/build_vm_image.sh``. Never written: make it read-only (``chmod a-w``)."""
+    image_format: Literal["auto", "qcow2", "raw"] = "auto"
+    """The image's format (auto: what ``qemu-img info`` says)."""
+    firmware: Literal["uefi", "bios"] = "uefi"
+    """UEFI (OVMF, with a variables file of each VM's own) as OSWorld's image needs, or BIOS."""
+    ovmf_code: Path = Path("/usr/share/OVMF/OVMF_CODE_4M.fd")
+    """OVMF's code (read-only, shared)."""
+    ovmf_vars: Path = Path("/usr/share/OVMF/OVMF_VARS_4M.fd")
+    """OVMF's variables template (copied per VM)."""
+    memory_mb: PositiveInt = 4096
+    """Guest memory per VM (OSWorld's docker provider: 4096)."""
+    cpus: PositiveInt = 4
+    """Virtual CPUs per VM (OSWorld's docker provider: 4)."""
+    accel: Literal["auto", "kvm", "tcg"] = "auto"
+    """``auto``: KVM when a probe guest makes progress under it, else TCG (with one warning
+    saying why); ``tcg`` never tries KVM; ``kvm`` fails where KVM does not work."""
+    server_port: PositiveInt = 5000
+    """The guest port of the image's desktop server (OSWorld's and ours: 5000)."""
+    chromium_port: PositiveInt = 9222
+    """The guest port of Chrome's DevTools (OSWorld's image: socat on 9222)."""
+    vlc_port: PositiveInt = 8080
+    """The guest port of VLC's HTTP interface."""
+    bind_host: str = "127.0.0.1"
+    """Where each VM's ports are reachable (the host side of the forwards): the server's
+    through a gate that checks the desktops' bearer token (the guest never sees it)."""
+    state_dir: Path = Path(".desktops/vm")
+    """Per-VM directories (overlay, variables, QMP socket, logs); VMs of dead runs are swept
+    from here at the first start. Keep it short: a UNIX socket path holds 107 bytes."""
+    ready_state_dir: Path | None = None
+    """Where ready states are kept, by the image's identity and the machine's settings.
+    Null: ``~/.cache/cua-rollout/vm-states``."""
+    boot_timeout_s: PositiveFloat = 900.0
+    """Deadline of the first boot that makes an image's ready state (TCG boots are slow)."""
+    ready_still_s: PositiveFloat = 3.0
+    """The first boot is ready when the server answers and the screen has been still this
+    long; then its state is saved."""
+    start_timeout_s: PositiveFloat = 120.0
+    """Deadline of a VM's start or reset from the ready state until its server answers."""
+
+
 class StaticDesktopsConfig(_Section):
     """Desktops that already run somewhere (e.g. OSWorld VMs), given by URL."""
 
@@ -592,7 +640,7 @@ class KubernetesDesktopsConfig(_Section):
 class DesktopsConfig(_Section):
     """The pool of desktops episodes lease."""
 
-    provider: Literal["local", "static", "container", "kubernetes"] = "local"
+    provider: Literal["local", "static", "container", "kubernetes", "vm"] = "local"
     """Where desktops come from."""
     node: str | None = None
     """The Ray node that runs the desktop pool, and so starts ``local`` desktops and runs
@@ -659,6 +707,15 @@ class DesktopsConfig(_Section):
     """Settings of the ``container`` provider."""
     kubernetes: KubernetesDesktopsConfig = KubernetesDesktopsConfig()
     """Settings of the ``kubernetes`` provider."""
+    vm: VMDesktopsConfig = VMDesktopsConfig()
+    """Settings of the ``vm`` provider."""
+
+    @model_validator(mode="after")
+    def _vm_complete(self) -> DesktopsConfig:
+        if self.provider == "vm" and self.vm.image is None:
+            raise ValueError("desktops.provider is vm: set desktops.vm.image to a disk image "
+                             "(OSWorld's Ubuntu.qcow2, or scripts/build_vm_image.sh's)")
+        return self
 
     @model_validator(mode="after")
     def _kubernetes_complete(self) -> DesktopsConfig:
@@ -681,6 +738,7 @@ class DesktopsConfig(_Section):
         # A desktop runs any code it is sent: beyond this host, only for who holds the token.
         key, host = {"local": ("local.host", self.local.host),
                      "container": ("container.publish_host", self.container.publish_host),
+                     "vm": ("vm.bind_host", self.vm.bind_host),
                      }.get(self.provider, (None, "127.0.0.1"))
         if self.token_env is None and not is_loopback(host):
             raise ValueError(

@@ -51,8 +51,9 @@ def qemu_version(binary: str = "qemu-system-x86_64") -> str:
 
 def check_image(path: Path, image_format: str, *, bootable: bool = True) -> dict:
     """``qemu-img info`` of the image, after checking that it exists, is a disk of a format
-    QEMU runs (qcow2 or raw) and is the format declared. ``bootable``: a raw image must carry
-    a boot signature (firmware boots it; a kernel booted directly needs none)."""
+    QEMU runs (qcow2 or raw) and is the format declared (``auto``: either). ``bootable``: a
+    raw image must carry a boot signature (firmware boots it; a kernel booted directly needs
+    none)."""
     path = Path(path)
     if not path.exists():
         raise VMError(f"VM image {path} does not exist", permanent=True)
@@ -70,7 +71,7 @@ def check_image(path: Path, image_format: str, *, bootable: bool = True) -> dict
     found = info.get("format")
     if found not in {"qcow2", "raw"}:
         raise VMError(f"VM image {path} is {found}, not qcow2 or raw", permanent=True)
-    if found != image_format:
+    if image_format != "auto" and found != image_format:
         raise VMError(f"VM image {path} is {found}, but {image_format} was declared",
                       permanent=True)
     if found == "raw" and bootable:

@@ -17,6 +17,7 @@ PROVIDERS: dict[str, str] = {
     "static": "cua_rollout.envs.providers.static:StaticProvider",
     "container": "cua_rollout.envs.providers.container:ContainerProvider",
     "kubernetes": "cua_rollout.envs.providers.kubernetes:KubernetesProvider",
+    "vm": "cua_rollout.envs.providers.vm:VMProvider",
 }
 
 

@@ -233,16 +233,19 @@ async def builtin_reset(cfg: DesktopsConfig, desktop: Desktop) -> None:
 
 
 async def bring_up(provider: DesktopProvider, cfg: DesktopsConfig, desktop_id: str,
-                   started: float, serving: Callable[[], Awaitable[Desktop]]) -> Desktop:
+                   started: float, serving: Callable[[], Awaitable[Desktop]], *,
+                   baseline: bool = True) -> Desktop:
     """The end of a provider's ``start`` once it created desktop ``desktop_id``:
     ``serving()`` gives the desktop once its server answers, then the ``builtin`` reset's
-    baseline is taken and ``info["start_s"]`` set (seconds since ``started``, monotonic).
+    baseline is taken (``baseline``: a provider that resets otherwise, by restoring a saved
+    state, takes none) and ``info["start_s"]`` set (seconds since ``started``, monotonic).
     On any failure, cancellation included, what was created is stopped before the error
     goes on (a desktop half started would leak)."""
     try:
         desktop = await serving()
         ready_s = time.monotonic() - started
-        await take_baseline(cfg, desktop)
+        if baseline:
+            await take_baseline(cfg, desktop)
     except BaseException:
         with contextlib.suppress(Exception):
             await provider.stop(Desktop(id=desktop_id, url=""))
