@@ -1,0 +1,3 @@
+"""QEMU virtual machines as desktops: their launcher, control and host-side gate."""
+
+__all__: list[str] = []
