@@ -2,11 +2,12 @@
 
 An agent plays one episode (vLLM's tool parsers and verl's agent loops have the same shape):
 it turns the observation and its history into a model request (``AgentRequest``: messages,
-the images they carry, a decoding grammar) and a reply into a ``Decision`` (the code to run
-and the terminal action). The episode loop (cua_rollout/runtime/runner.py) owns the model
-client, the environment, deadlines and records; the agent owns prompt, parser, code
-generation, grammar and terminal policy. Agents are registered by name (``agent.name``) and
-imported only when chosen.
+the images they carry, a decoding grammar or tools) and a reply into a ``Decision`` (the
+code to run, the terminal action, what it read from the reply). The episode loop
+(cua_rollout/runtime/episode.py) owns the model client, the environment, deadlines and
+records; the agent owns prompt, parser, code generation, grammar and terminal policy.
+Desktop agents are registered by name (``agent.name``) and imported only when chosen; the
+text modes' tool-calling agent is ``cua_rollout.agents.tool.ToolAgent``.
 """
 
 from __future__ import annotations
@@ -19,7 +20,8 @@ from cua_rollout.config import AgentConfig
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.screenshot import Screenshot
 
-__all__ = ["AGENTS", "AgentRequest", "Decision", "DesktopAgent", "agent_class", "make_agent"]
+__all__ = ["AGENTS", "Agent", "AgentRequest", "Decision", "ParseRecord", "agent_class",
+           "make_agent"]
 
 # name -> "module:Class"; the class is imported when its name is chosen.
 AGENTS: dict[str, str] = {
@@ -38,14 +40,26 @@ class AgentRequest:
     regex: str | None = None          # structured-output grammar every reply must match
     # The context a server needs for this request, and why (checked by the model client).
     least_tokens: tuple[int, str] | None = None
+    tools: list[dict[str, Any]] | None = None   # OpenAI tools offered (None: a text reply)
+    tool_choice: str | None = None
+
+
+class ParseRecord(NamedTuple):
+    """What a desktop agent read from a reply, as traj.jsonl keeps it: the thought and the
+    parsed actions (an unparseable reply: None and [])."""
+
+    thought: str | None
+    actions: list[dict[str, Any]]
 
 
 class Decision(NamedTuple):
     """What a reply makes the episode do: ``code`` to run first (None: nothing) and the
-    terminal action (``DONE``, ``FAIL``, ``WAIT`` or None to go on)."""
+    terminal action (``DONE``, ``FAIL``, ``WAIT`` or None to go on); ``parse``: what the
+    agent read from it (None: an agent that keeps no parse record, as the tool agent)."""
 
     code: str | None
     terminal: str | None
+    parse: ParseRecord | None = None
 
     @property
     def action(self) -> str | None:
@@ -58,43 +72,46 @@ class Decision(NamedTuple):
         return f"{self.code}\n{self.terminal}"
 
 
-class DesktopAgent(Protocol):
-    """One episode's agent on a desktop."""
+class Agent(Protocol):
+    """One episode's agent. ``observation``: the screenshot a desktop step starts from (None
+    in a text episode, whose observations are the tool results in its conversation)."""
 
     name: str
     constrained: bool        # replies are sampled under ``AgentRequest.regex``
     max_parse_retries: int   # re-asks after an unparseable reply before FAIL
 
-    def request(self, shot: Screenshot) -> AgentRequest:
-        """The request for the step that starts from ``shot``."""
+    def request(self, observation: Screenshot | None) -> AgentRequest:
+        """The request for the step that starts from ``observation``."""
         ...
 
-    def parse(self, text: str, shot: Screenshot) -> Any:
-        """The reply's actions (an ``ActionParseError`` when it has none)."""
+    def parse(self, text: str, observation: Screenshot | None,
+              tool_calls: list[dict[str, Any]] | None = None) -> Any:
+        """What the reply asks for (an ``ActionParseError`` when it is unreadable and may
+        be asked again)."""
         ...
 
     def decide(self, parsed: Any | None) -> Decision:
         """What the parsed reply (None: unparseable after every retry) makes the episode do."""
         ...
 
-    def remember(self, shot: Screenshot, text: str) -> Screenshot | None:
-        """Add the step (its screenshot, the reply) to the history; returns a screenshot
+    def remember(self, observation: Screenshot | None, text: str) -> Screenshot | None:
+        """Add the step (its observation, the reply) to the history; returns a screenshot
         that left the image window for good (its memory may go), if any."""
         ...
 
 
-def agent_class(name: str) -> type[DesktopAgent]:
+def agent_class(name: str) -> type[Agent]:
     """The agent registered as ``name``, imported now."""
     try:
         module, _, attr = AGENTS[name].partition(":")
     except KeyError:
         raise ConfigError(f"agent.name: unknown agent {name!r} (known: "
                           f"{', '.join(sorted(AGENTS))})") from None
-    cls: type[DesktopAgent] = getattr(importlib.import_module(module), attr)
+    cls: type[Agent] = getattr(importlib.import_module(module), attr)
     return cls
 
 
-def make_agent(cfg: AgentConfig, *, instruction: str, max_tokens: int) -> DesktopAgent:
+def make_agent(cfg: AgentConfig, *, instruction: str, max_tokens: int) -> Agent:
     """A fresh agent of ``cfg.name`` for one episode of ``instruction``; ``max_tokens`` is
     the sampling's reply budget (part of the context a request needs)."""
     return agent_class(cfg.name)(cfg, instruction=instruction,  # type: ignore[call-arg]

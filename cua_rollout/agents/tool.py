@@ -28,7 +28,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rollout.agents.base import AgentRequest, Decision
 from cua_rollout.config import TextConfig
+from cua_rollout.core.types import DONE
 from cua_rollout.envs.contract import StepResult, ToolCall
 from cua_rollout.envs.tools import (
     TOOL_FAILED,
@@ -215,11 +217,14 @@ def tool_message(call: ToolCall, output: str) -> dict[str, Any]:
 
 
 class ToolAgent:
-    """One text episode's tool-calling agent: the conversation (the mode's system prompt,
-    the question, every reply and tool output), the tools it offers the model, and what a
-    reply asks for (``read``). The episode loop runs the calls and hands back the results."""
+    """One text episode's tool-calling agent (``cua_rollout.agents.base.Agent``): the
+    conversation (the mode's system prompt, the question, every reply and tool output), the
+    tools it offers the model, and what a reply asks for (``parse``). The episode loop runs
+    the calls and hands back the results (``called``, ``answered``)."""
 
     name = "tool"
+    constrained = False      # no grammar: the tools are the reply's structure
+    max_parse_retries = 0    # a malformed call goes back to the model as the call's error
 
     def __init__(self, cfg: TextConfig, mode: str) -> None:
         self.cfg = cfg
@@ -236,13 +241,27 @@ class ToolAgent:
             self.tools.append(ANSWER_TOOL.openai())
         self.messages = first_messages(question, self.system_prompt)
 
-    def request(self) -> dict[str, Any]:
-        """The keyword arguments of the model request for the next turn."""
-        return {"tools": self.tools or None,
-                "tool_choice": self.cfg.tool_choice if self.tools else None}
+    def request(self, observation: Any = None) -> AgentRequest:
+        """The next turn's request: the conversation so far and the tools (the observations
+        are the tool results in it)."""
+        return AgentRequest(self.messages, [], 0, tools=list(self.tools),
+                            tool_choice=self.cfg.tool_choice if self.tools else None)
 
-    def read(self, text: str, tool_calls: Sequence[Any] | None) -> ReadReply:
+    def parse(self, text: str, observation: Any = None,
+              tool_calls: Sequence[Any] | None = None) -> ReadReply:
+        """The reply's tool calls and final answer (never raises: a malformed call is
+        answered as that call's error)."""
         return read_reply(text, tool_calls, answer_tool=self.cfg.final_answer_tool)
+
+    def decide(self, reply: ReadReply | None) -> Decision:
+        """A reply that calls no tool and answers well ends the episode (DONE); otherwise its
+        calls run (the loop runs ``reply.calls``)."""
+        ended = reply is not None and not reply.calls and reply.answer_problem is None
+        return Decision(None, DONE if ended else None)
+
+    def remember(self, observation: Any, text: str) -> None:
+        """The conversation is kept by ``answered`` and ``called``, with the tool results."""
+        return None
 
     def answered(self, text: str, reply: ReadReply) -> None:
         """The reply that ends the episode joins the conversation (messages.json ends with

@@ -1,12 +1,16 @@
-"""One episode on a desktop, as data through the layers: lease a desktop, run the task's
-setup, then screenshot -> agent request -> model -> agent decision -> action until the agent
-ends, ``max_steps`` or the deadline; score with the task's evaluator; release the desktop;
-write everything through the storage. How an error ends an episode is written on the error's
-class (``cua_rollout.core.errors``) and read here once (``episode_error``); what a step
-records is ``cua_rollout.runtime.trajectory``'s. The runner (runner.py) holds many."""
+"""The episode loop, one for every environment: open the environment, begin the task, then
+observation -> agent request -> model -> agent decision -> carry it out, until the agent
+ends, ``max_steps`` or the deadline; score; give the environment back; write everything
+through the storage. Each step fills one ``StepRecord`` (trajectory.py) here. What differs
+between a desktop (desktop_episode.py) and a text task (text_episode.py) is four hooks:
+``_open``, ``_begin``, ``_carry_out`` and ``_evaluate`` (and ``_give_back``). How an error
+ends an episode is written on the error's class (``cua_rollout.core.errors``) and read here
+once (``episode_error``). The runner (runner.py) holds many episodes; the replay tool
+(replay.py) runs one with a scripted model."""
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import contextlib
 import logging
@@ -15,13 +19,12 @@ import uuid
 from collections.abc import Awaitable, Callable
 from typing import Any, NamedTuple, Protocol
 
-from cua_rollout.agents.base import AgentRequest, DesktopAgent, make_agent
+from cua_rollout.agents.base import Agent, AgentRequest, Decision
 from cua_rollout.config import LEASE_MARGIN_S, Config, DesktopsConfig
 from cua_rollout.core.aio import TaskSet
 from cua_rollout.core.errors import (
     ActionParseError,
     DesktopError,
-    DesktopUnavailable,
     ModelRequestError,
     ModelUnavailable,
     RolloutError,
@@ -32,32 +35,28 @@ from cua_rollout.core.errors import (
 from cua_rollout.core.layout import screenshot_name
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import (
-    DONE,
-    FAIL,
     SUCCESS_REWARD,
-    WAIT,
     EpisodeResult,
     EpisodeSpec,
     Status,
     is_infeasible,
 )
-from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv
 from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.client import Generation, ModelServicePool
-from cua_rollout.runtime.actors import PoolClient, StorageClient
+from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter
 from cua_rollout.runtime.trajectory import (
     ScreenshotFiles,
+    StepRecord,
     discarded_generation,
     image_spans,
-    step_record,
 )
 from cua_rollout.runtime.utilization import StateClock
 
-__all__ = ["ACTOR_CALL_TIMEOUT_S", "DesktopEpisode", "EnvFactory", "EpisodeEnded", "EpisodeError",
-           "EpisodeHost", "episode_deadline_s", "episode_error", "open_leased_desktop", "within"]
+__all__ = ["ACTOR_CALL_TIMEOUT_S", "EnvFactory", "Episode", "EpisodeEnded", "EpisodeError",
+           "EpisodeHost", "episode_deadline_s", "episode_error", "within"]
 
 log = logging.getLogger(__name__)
 
@@ -83,13 +82,9 @@ async def within(awaitable: Awaitable[Any], timeout_s: float, what: str) -> Any:
         raise TimeoutError(f"{what} did not answer within {timeout_s:.0f}s") from None
 
 
-# Builds the environment of a leased desktop; the default speaks OSWorld's HTTP protocol.
+# Builds the environment of a leased desktop; the default speaks OSWorld's HTTP protocol
+# (desktop_episode.open_leased_desktop).
 EnvFactory = Callable[[Lease, DesktopsConfig], DesktopEnv]
-
-
-def open_leased_desktop(lease: Lease, cfg: DesktopsConfig) -> DesktopEnv:
-    """The leased desktop's client, with a connection of its own (closed by ``close()``)."""
-    return RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
 
 
 class EpisodeError(NamedTuple):
@@ -157,10 +152,10 @@ class EpisodeEnded(Exception):
         self.fatal = fatal
 
 
-class DesktopEpisode:
-    """The state of one running episode on a desktop."""
-
-    uses_desktop = True  # leases a desktop (a text episode does not)
+class Episode(abc.ABC):
+    """One running episode: the loop and its state. Subclasses say what the environment is
+    (``_open``, ``_give_back``), how a task begins (``_begin``), what a decision does in it
+    (``_carry_out``) and how it is scored (``_evaluate``)."""
 
     def __init__(self, runner: EpisodeHost, spec: EpisodeSpec, avoid: list[str]) -> None:
         self.r = runner
@@ -173,6 +168,7 @@ class DesktopEpisode:
         self.files = ScreenshotFiles()
         self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt)
         self.steps = 0
+        self.max_steps = self.cfg.runner.max_steps
         self.parse_failures = 0
         self.agent = self._make_agent()
         self.last_action: str | None = None
@@ -187,8 +183,8 @@ class DesktopEpisode:
                        "evaluation_s": 0.0, "lease_wait_s": 0.0, "outage_wait_s": 0.0}
         self.last_messages: list[dict[str, Any]] | None = None
         self.reset_done = False
-        self.held_record: dict[str, Any] | None = None
-        self.pending_record: dict[str, Any] | None = None  # the step whose action runs
+        self.held_record: StepRecord | None = None
+        self.pending_record: StepRecord | None = None  # the step whose action runs
         # Unique per run of an attempt (an outage requeues the same attempt): a revoked
         # owner (release_owned) never matches a later run's lease.
         self.owner = f"{runner.runner_id}/{self.session_id}/{uuid.uuid4().hex[:12]}"
@@ -197,6 +193,35 @@ class DesktopEpisode:
         self.fatal = False
         # What its desktop does now (cua_rollout/runtime/utilization.py).
         self.phase: str | None = None
+
+    # ----------------------------------------------------------------- the hooks
+
+    @abc.abstractmethod
+    def _make_agent(self) -> Agent:
+        """The episode's agent."""
+
+    @abc.abstractmethod
+    async def _open(self) -> Any:
+        """The episode's environment (its directory begins here: ``self.begun``)."""
+
+    @abc.abstractmethod
+    async def _begin(self, env: Any) -> Screenshot | None:
+        """Set the task up; the first observation."""
+
+    @abc.abstractmethod
+    async def _carry_out(self, env: Any, decision: Decision, parsed: Any, record: StepRecord,
+                         split: dict[str, float]) -> tuple[bool, Screenshot | None]:
+        """Do what ``decision`` says (``parsed``: the agent's reading of the reply), filling
+        ``record`` (``action``, ``info`` ...) and ``split`` (action, pause and screenshot
+        seconds); whether the episode ended, and the next observation."""
+
+    @abc.abstractmethod
+    async def _evaluate(self, env: Any) -> float:
+        """The episode's reward, in [0, 1]."""
+
+    @abc.abstractmethod
+    async def _give_back(self, healthy: bool) -> None:
+        """Return what the episode holds besides its environment's connection (a lease)."""
 
     # ----------------------------------------------------------------- the loop
 
@@ -230,7 +255,7 @@ class DesktopEpisode:
             healthy, self.fatal = ended.healthy, ended.fatal
         except asyncio.CancelledError:
             status, error = Status.CANCELLED, "cancelled"
-            self._finish_in_background(self.lease, True, status, error, None)
+            self.r.background.spawn(self._finish(True, status, error, False, None))
             raise
         except Exception as exc:
             if not isinstance(exc, RolloutError):
@@ -241,121 +266,104 @@ class DesktopEpisode:
             reward = None
         # A cancel arriving while the episode is being finished must not cut its writes or
         # the desktop's release short: the finish completes in the background.
-        finish = asyncio.ensure_future(
-            self._finish(self.lease, healthy, status, error, retryable, reward))
+        finish = asyncio.ensure_future(self._finish(healthy, status, error, retryable, reward))
         try:
             return await asyncio.shield(finish)
         except asyncio.CancelledError:
             self.r.background.add(finish)
             raise
 
-    async def _open(self) -> Any:
-        """The episode's environment: a leased desktop's (its directory begins here)."""
-        waited = time.monotonic()
-        self.lease = await self._lease()
-        self.timing["lease_wait_s"] = time.monotonic() - waited
-        self._enter("other")
-        self.desktop = self.lease.desktop_id
-        self.begun = True
-        env = self.env = self.r.env_factory(self.lease, self.cfg.desktops)
-        return env
-
-    async def _lease(self) -> Lease:
-        """A desktop for this attempt. The pool's own deadline is the lease timeout; a pool
-        that does not answer well past it is a desktop outage too."""
-        timeout_s = self.cfg.desktops.lease_timeout_s
-        try:
-            return await asyncio.wait_for(
-                PoolClient(self.r.desktop_pool).lease(self.owner, timeout_s, self.avoid),
-                timeout_s + ACTOR_CALL_TIMEOUT_S)
-        except TimeoutError:
-            raise DesktopUnavailable(f"the desktop pool did not answer a lease within "
-                                     f"{timeout_s + ACTOR_CALL_TIMEOUT_S:.0f}s") from None
-
-    async def _act(self, env: DesktopEnv) -> str:
-        """Setup, then steps until the agent ends; returns ``failure`` (to be scored) or
-        ``max_steps``."""
+    async def _act(self, env: Any) -> str:
+        """Begin the task, then steps until the agent ends; returns ``failure`` (to be
+        scored) or ``max_steps``."""
         t0 = time.monotonic()
         self._enter("setup")
-        shot = await env.reset(self.task)
+        observation = await self._begin(env)
         self.timing["reset_s"] = time.monotonic() - t0
         self._enter("other")
         self.reset_done = True
-        await self._save_first_screenshot(shot)
-        for step in range(1, self.cfg.runner.max_steps + 1):
-            shot = await self._step(env, step, shot)
-            if shot is None:
+        for step in range(1, self.max_steps + 1):
+            ended, observation = await self._step(env, step, observation)
+            if ended:
                 return Status.FAILURE  # the agent ended it: scored by the evaluator next
         return Status.MAX_STEPS
 
-    async def _step(self, env: DesktopEnv, step: int, shot: Screenshot) -> Screenshot | None:
-        """One step from the screenshot ``shot``: the next screenshot, or None when the
-        agent ended the episode (DONE or FAIL)."""
-        runner_cfg = self.cfg.runner
+    async def _step(self, env: Any, step: int, observation: Screenshot | None
+                    ) -> tuple[bool, Screenshot | None]:
+        """One step from ``observation``: whether the agent ended the episode, and the next
+        observation."""
         step_started = time.monotonic()
         wall_started = time.time()
-        request = self.agent.request(shot)
+        request = self.agent.request(observation)
         self.last_messages = request.messages
         self._enter("model")
-        generation, parsed, discarded, model_s = await self._generate(request, shot)
+        generation, parsed, discarded, model_s = await self._generate(request, observation)
         self._enter("other")
-        sampling = self.cfg.model.sampling
-        record = step_record(step, generation, parsed, len(discarded), self.files.file_of(shot),
-                             token_ids=sampling.return_token_ids, logprobs=sampling.logprobs,
-                             constrained=self.agent.constrained)
-        if discarded:
-            record["discarded"] = discarded
-        self._record_images(record, request, generation)
-        gone = self.agent.remember(shot, generation.text)
+        decision = self.agent.decide(parsed)
+        record = self._record(step, generation, request, decision, discarded, observation)
+        gone = self.agent.remember(observation, generation.text)
         if gone is not None:  # left the image window: the last request no longer shows it
             self.files.forget(gone)
         self.steps = step
-
-        env_started = time.monotonic()
-        decision = self.agent.decide(parsed)
-        code, terminal = decision.code, decision.terminal
-        record["action"] = decision.action
         # The step counts from here (its action may run): a deadline or a cancel before it
         # is held below still writes its line, so result.steps is traj.jsonl's line count.
         self.pending_record = record
+        env_started = time.monotonic()
         split = {"action_s": 0.0, "pause_s": 0.0, "screenshot_s": 0.0}
-        if code is not None:
-            self._enter("action")
-            result = await env.step(code)
-            record["info"] = {"returncode": result.returncode, "error": result.error or None}
-            split["action_s"] = time.monotonic() - env_started
-            # The pause after an action (the env contract's pause_s), timed on its own.
-            await self._pause(runner_cfg.action_pause_s, split)
-        if terminal == WAIT:
-            self._enter("pause")
-            t0 = time.monotonic()
-            await env.step(WAIT, pause_s=runner_cfg.wait_s)
-            split["pause_s"] += time.monotonic() - t0
-        ended = terminal in (DONE, FAIL)
-        next_shot = None
-        if not ended:
-            self._enter("screenshot")
-            t0 = time.monotonic()
-            next_shot = await env.observe()
-            split["screenshot_s"] = time.monotonic() - t0
+        ended, next_observation = await self._carry_out(env, decision, parsed, record, split)
         self._enter("other")
         self._time_step(record, model_s, time.monotonic() - env_started,
                         time.monotonic() - step_started, split, wall_started)
-        record["done"] = ended
-        # A step's line is written with the next step's screenshot (or at the end, when
-        # the last line gets the final reward and done=true, as in OSWorld's traj.jsonl).
+        record.done = ended
+        await self._keep(record, step, None if ended else next_observation)
+        return ended, next_observation
+
+    def _record(self, step: int, generation: Generation, request: AgentRequest,
+                decision: Decision, discarded: list[dict[str, Any]],
+                observation: Screenshot | None) -> StepRecord:
+        """The step's traj.jsonl record as known once the agent decided: the reply, what the
+        agent read from it, the request's images or tools."""
+        sampling = self.cfg.model.sampling
+        record = StepRecord.of_reply(step, generation, token_ids=sampling.return_token_ids,
+                                     logprobs=sampling.logprobs)
+        if isinstance(observation, Screenshot):
+            record.observation_file = self.files.file_of(observation)
+        if decision.parse is not None:
+            record.thought, record.actions = decision.parse
+            record.parse_retries = len(discarded)
+            record.constrained = self.agent.constrained
+        if request.tools is not None:
+            record.response_tool_calls = generation.tool_calls
+        if discarded:
+            record.discarded = discarded
+        if isinstance(observation, Screenshot):
+            # What rebuilding the multimodal prompt needs: each image of the request in
+            # order (its file, its placeholder token count) and, when the server returned the
+            # prompt's token ids, where those placeholders are in them.
+            tokens = request.image_tokens
+            files = [self.files.file_of(s) for s in request.screenshots]
+            record.images = [{"file": f, "tokens": tokens} for f in files]
+            if generation.prompt_token_ids is not None:
+                record.image_spans = image_spans(generation.prompt_token_ids,
+                                                 [tokens] * len(files))
+        return record
+
+    async def _keep(self, record: StepRecord, step: int, observation: Screenshot | None
+                    ) -> None:
+        """Hold the step's line and write the one before: a line is written with the next
+        step's screenshot (or at the end, when the last line gets the final reward and
+        done=true, as in OSWorld's traj.jsonl)."""
         previous, self.held_record, self.pending_record = self.held_record, record, None
-        if next_shot is None:
-            self.last_action = terminal
+        if observation is None:
             if previous is not None:
-                await self.writer.step(previous)
-            return None
-        name = screenshot_name(step) if runner_cfg.save_screenshots else None
-        record["screenshot_file"] = name
-        await self.writer.step(previous, name, next_shot.png)
-        self.files.remember(next_shot, name)
-        next_shot.forget_png()  # stored: requests need its base64 only
-        return next_shot
+                await self.writer.step(previous.line())
+            return
+        name = screenshot_name(step) if self.cfg.runner.save_screenshots else None
+        record.screenshot_file = name
+        await self.writer.step(previous.line() if previous is not None else None, name,
+                               observation.png)
+        self.files.remember(observation, name)
+        observation.forget_png()  # stored: requests need its base64 only
 
     async def _pause(self, pause_s: float, split: dict[str, float]) -> None:
         if pause_s > 0:
@@ -369,34 +377,18 @@ class DesktopEpisode:
         self.r.phases.move(self.phase, phase)
         self.phase = phase
 
-    def _time_step(self, record: dict[str, Any], model_s: float, env_s: float,
+    def _time_step(self, record: StepRecord, model_s: float, env_s: float,
                    step_s: float, split: dict[str, float], started_at: float) -> None:
         """The step's traj.jsonl ``timing``: model / env (= action + pause + screenshot) /
         overhead seconds, the whole step, and when it started (epoch s)."""
         timing = {"model_s": model_s, "env_s": env_s,
                   "overhead_s": max(0.0, step_s - model_s - env_s), "step_s": step_s,
                   **split}
-        record["timing"] = {**{k: round(v, 6) for k, v in timing.items()},
-                            "started_at": round(started_at, 6)}
+        record.timing = {**{k: round(v, 6) for k, v in timing.items()},
+                         "started_at": round(started_at, 6)}
         for key in ("model_s", "env_s", "overhead_s"):
             self.timing[key] += timing[key]
         self.r.step_done(timing, acted=split["action_s"] > 0)
-
-    def _make_agent(self) -> DesktopAgent:
-        return make_agent(self.cfg.agent, instruction=str(self.task.get("instruction", "")),
-                          max_tokens=self.cfg.model.sampling.max_tokens)
-
-    def _record_images(self, record: dict[str, Any], request: AgentRequest,
-                       generation: Generation) -> None:
-        """What rebuilding the multimodal prompt needs: each image of the request in order
-        (its file, its placeholder token count) and, when the server returned the prompt's
-        token ids, where those placeholders are in them."""
-        tokens = request.image_tokens
-        files = [self.files.file_of(s) for s in request.screenshots]
-        record["images"] = [{"file": f, "tokens": tokens} for f in files]
-        if generation.prompt_token_ids is not None:
-            record["image_spans"] = image_spans(generation.prompt_token_ids,
-                                                [tokens] * len(files))
 
     def _saw_version(self, version: str | None) -> None:
         if version is None:
@@ -406,22 +398,21 @@ class DesktopEpisode:
             self.model_versions.append(version)
 
     async def _generate(
-        self, request: AgentRequest, shot: Screenshot
+        self, request: AgentRequest, observation: Screenshot | None
     ) -> tuple[Generation, Any | None, list[dict[str, Any]], float]:
         """Ask the model; an unparseable reply is asked again up to the agent's
-        ``max_parse_retries`` times, after which the episode ends as the UI-TARS agents end
-        it (FAIL). Returns the reply, its parse, the replies dropped before it (kept for the
+        ``max_parse_retries`` times, after which the agent decides on None (UI-TARS agents
+        FAIL). Returns the reply, its parse, the replies dropped before it (kept for the
         trajectory) and the time spent asking."""
         retries = self.agent.max_parse_retries
         model_s = 0.0
         sampling = self.cfg.model.sampling
         discarded: list[dict[str, Any]] = []
         for retry in range(retries + 1):
-            generation, asked_s = await self._ask_model(
-                request.messages, regex=request.regex, least_tokens=request.least_tokens)
+            generation, asked_s = await self._ask_model(request)
             model_s += asked_s
             try:
-                parsed = self.agent.parse(generation.text, shot)
+                parsed = self.agent.parse(generation.text, observation, generation.tool_calls)
                 return generation, parsed, discarded, model_s
             except ActionParseError as exc:
                 self.parse_failures += 1
@@ -433,15 +424,17 @@ class DesktopEpisode:
                         logprobs=sampling.logprobs))
         return generation, None, discarded, model_s
 
-    async def _ask_model(self, messages: list[dict[str, Any]], **options: Any
-                         ) -> tuple[Generation, float]:
-        """One generation (``options``: those of ``ModelServicePool.generate``), an outage of
-        the model side waited out (``_wait_out_model_outage``); the reply and the seconds
-        spent asking, the wait included."""
+    async def _ask_model(self, request: AgentRequest) -> tuple[Generation, float]:
+        """One generation of ``request``, an outage of the model side waited out
+        (``_wait_out_model_outage``); the reply and the seconds spent asking, the wait
+        included."""
         started = time.monotonic()
         while True:
             try:
-                generation = await self.r.model.generate(messages, self.session_id, **options)
+                generation = await self.r.model.generate(
+                    request.messages, self.session_id, regex=request.regex,
+                    least_tokens=request.least_tokens, tools=request.tools or None,
+                    tool_choice=request.tool_choice)
                 break
             except ModelUnavailable as exc:
                 if exc.outage is None:
@@ -451,7 +444,6 @@ class DesktopEpisode:
             self.endpoints.append(generation.endpoint)
         self._saw_version(generation.model_version)
         return generation, time.monotonic() - started
-
     async def _wait_out_model_outage(self, exc: ModelUnavailable) -> None:
         """No model endpoint is live: wait for one with the episode's deadline stopped (an
         outage is not the agent's time), up to ``model.outage_wait_s`` in all per episode.
@@ -478,31 +470,6 @@ class DesktopEpisode:
                 f"no model endpoint for {self.timing['outage_wait_s']:.0f}s "
                 f"({self.r.model.outage_status()})", outage=True) from exc
 
-    async def _evaluate(self, env: DesktopEnv) -> float:
-        t0 = time.monotonic()
-        try:
-            reward = await asyncio.wait_for(
-                self.r.evaluator.evaluate(env, self.task,  # type: ignore[arg-type]
-                                          self.last_action,
-                                          task_id=str(self.task.get("id", "")) or None),
-                self.cfg.runner.evaluation_timeout_s)
-        except TimeoutError:
-            raise EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
-                                f"{self.cfg.runner.evaluation_timeout_s:.0f}s",
-                                retryable=True, healthy=False) from None
-        finally:
-            self.timing["evaluation_s"] = time.monotonic() - t0
-        return min(1.0, max(0.0, float(reward)))
-
-    # ----------------------------------------------------------------- screenshots
-
-    async def _save_first_screenshot(self, shot: Screenshot) -> None:
-        if self.cfg.runner.save_screenshots:
-            name = screenshot_name(0)
-            await self.writer.step(None, name, shot.png)
-            self.files.remember(shot, name)
-        shot.forget_png()  # stored: requests need its base64 only
-
     # ----------------------------------------------------------------- the end
 
     def result(self, status: str, error: str | None, retryable: bool,
@@ -525,22 +492,12 @@ class DesktopEpisode:
             fatal=self.fatal and status == Status.INFRA_ERROR,
         )
 
-    async def _finish(self, lease: Any, healthy: bool, status: str, error: str | None,
+    async def _finish(self, healthy: bool, status: str, error: str | None,
                       retryable: bool, reward: float | None) -> EpisodeResult:
         self.r.model.end_session(self.session_id)
         self._enter(None)
         try:
-            if not self.uses_desktop:
-                pass
-            elif lease is not None:
-                await within(PoolClient(self.r.desktop_pool).release(lease.lease_id, healthy),
-                             ACTOR_CALL_TIMEOUT_S, "the desktop pool (release)")
-            else:
-                # A lease granted after this episode stopped waiting for it (a cancel, a
-                # deadline, a call still in transit) must not stay lent to nobody: the pool
-                # releases what this owner holds and refuses it any later grant.
-                await within(PoolClient(self.r.desktop_pool).release_owned(self.owner, True),
-                             ACTOR_CALL_TIMEOUT_S, "the desktop pool (release_owned)")
+            await self._give_back(healthy)
         except Exception as exc:  # the pool reclaims the lease at lease_max_s at the latest
             log.error("episode %s: returning its desktop failed: %s", self.spec.episode_id, exc)
         try:
@@ -551,8 +508,9 @@ class DesktopEpisode:
                 self.held_record = self.pending_record = None
                 for n, line in enumerate(lines, 1):
                     if n == len(lines):
-                        line.update(done=True, reward=reward)
-                    await within(self.writer.step(line), ACTOR_CALL_TIMEOUT_S, "the storage")
+                        line.done, line.reward = True, reward
+                    await within(self.writer.step(line.line()), ACTOR_CALL_TIMEOUT_S,
+                                 "the storage")
                 failed = await within(
                     self.writer.finish(self.result(status, error, retryable, reward).record(),
                                        self.files.messages_for_disk(self.last_messages)),
@@ -577,9 +535,3 @@ class DesktopEpisode:
                 with contextlib.suppress(Exception):  # closing a socket cannot fail it
                     await env.close()
         return self.result(status, error, retryable, reward)
-
-    def _finish_in_background(self, lease: Any, healthy: bool, status: str,
-                              error: str | None, reward: float | None) -> None:
-        """On cancellation: return the desktop and write what we have without awaiting in a
-        cancelled task."""
-        self.r.background.spawn(self._finish(lease, healthy, status, error, False, reward))

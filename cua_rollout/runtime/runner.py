@@ -1,7 +1,7 @@
 """``TrajectoryRunner``: an async Ray actor (``ray.remote(TrajectoryRunner)``) or an in-process
-object that runs many episodes as coroutines (episode.py, text_episode.py) with one model
-client, one evaluator and one judge per process; a watchdog ends an episode that outlives
-every deadline it has. Scheduling and retries are the coordinator's."""
+object that runs many episodes as coroutines (episode.py's loop, on desktops or text tasks)
+with one model client, one evaluator and one judge per process; a watchdog ends an episode
+that outlives every deadline it has. Scheduling and retries are the coordinator's."""
 
 from __future__ import annotations
 
@@ -23,12 +23,8 @@ from cua_rollout.core.types import (
 )
 from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.client import ModelServicePool
-from cua_rollout.runtime.episode import (
-    DesktopEpisode,
-    EnvFactory,
-    episode_deadline_s,
-    open_leased_desktop,
-)
+from cua_rollout.runtime.desktop_episode import DesktopEpisode, open_leased_desktop
+from cua_rollout.runtime.episode import EnvFactory, episode_deadline_s
 from cua_rollout.runtime.monitoring import Metrics
 from cua_rollout.runtime.text_episode import TextEpisode
 from cua_rollout.runtime.utilization import StateClock

@@ -1,8 +1,8 @@
 """A text episode (math, py, rag, web): no desktop; a text environment's tools in its place
 (``cua_rollout.text.envs``), a tool-calling conversation held by the ``ToolAgent``
 (``cua_rollout.agents.tool``) of up to ``text.max_turns`` replies, scored by the item's
-answer metric. Everything else (storage, deadlines, model outages, retries, results) is the
-desktop episode's (episode.py)."""
+answer metric. The loop and everything else (storage, deadlines, model outages, retries,
+results) is episode.py's."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import time
 from collections.abc import Awaitable
 from typing import Any
 
-from cua_rollout.agents.tool import ToolAgent
+from cua_rollout.agents.base import Decision
+from cua_rollout.agents.tool import ReadReply, ToolAgent
 from cua_rollout.core.errors import (
     EvaluationError,
 )
@@ -23,11 +24,8 @@ from cua_rollout.core.types import (
 )
 from cua_rollout.envs.contract import StepResult
 from cua_rollout.envs.tools import TOOL_MALFORMED, TOOL_OVER_LIMIT
-from cua_rollout.runtime.episode import DesktopEpisode, EpisodeEnded, EpisodeHost
-from cua_rollout.runtime.trajectory import (
-    text_step_record,
-    tool_call_record,
-)
+from cua_rollout.runtime.episode import Episode, EpisodeEnded, EpisodeHost
+from cua_rollout.runtime.trajectory import StepRecord, tool_call_record
 from cua_rollout.text.benchmark import task_metric
 from cua_rollout.text.metrics import JudgeError, judge, score
 
@@ -59,20 +57,23 @@ async def _all_or_none(calls: list[Awaitable[StepResult]]) -> list[StepResult]:
         raise
 
 
-class TextEpisode(DesktopEpisode):
+class TextEpisode(Episode):
     """A text episode (math, py, rag, web): no desktop; a text environment's tools in its
     place (``cua_rollout.text.envs``), a tool-calling conversation of up to ``text.max_turns``
-    replies (``cua_rollout.agents.tool``), scored by the item's answer metric. Everything else
-    (storage, deadlines, model outages, retries, results) is the desktop episode's."""
+    replies (``cua_rollout.agents.tool``), scored by the item's answer metric."""
 
-    uses_desktop = False
+    agent: ToolAgent
 
     def __init__(self, runner: EpisodeHost, spec: EpisodeSpec, avoid: list[str]) -> None:
         super().__init__(runner, spec, avoid)
+        self.max_steps = self.cfg.text.max_turns  # a turn is a step
         self.answer: str | None = None
 
     def _make_agent(self) -> ToolAgent:  # type: ignore[override]
         return ToolAgent(self.cfg.text, str(self.task["mode"]))
+
+    async def _give_back(self, healthy: bool) -> None:
+        pass  # holds no desktop: its environment is closed with the episode
 
     def _enter(self, phase: str | None) -> None:
         pass  # the utilization clocks count desktops' time; a text episode holds none
@@ -92,42 +93,28 @@ class TextEpisode(DesktopEpisode):
         self.env = env
         return env
 
-    async def _act(self, env: Any) -> str:
-        text_cfg = self.cfg.text
-        t0 = time.monotonic()
+    async def _begin(self, env: Any) -> None:
+        """The question and the environment's tools start the agent's conversation."""
         question = await env.reset(self.task)
-        self.timing["reset_s"] = time.monotonic() - t0
-        self.reset_done = True
         self.agent.start(question, env.tools)
         self.last_messages = self.agent.messages
-        for turn in range(1, text_cfg.max_turns + 1):
-            if await self._turn(env, turn):
-                return Status.FAILURE  # answered: scored next
-        return Status.MAX_STEPS
+        return None
 
-    async def _turn(self, env: Any, turn: int) -> bool:
-        """One reply and the calls it makes; True when it ends the episode."""
-        text_cfg = self.cfg.text
+    async def _carry_out(self, env: Any, decision: Decision, parsed: Any, record: StepRecord,
+                         split: dict[str, float]) -> tuple[bool, None]:
+        """The reply's answer ends the episode; otherwise its tool calls run concurrently (at
+        most ``text.max_tool_calls_per_turn``) and their results join the conversation."""
+        reply: ReadReply = parsed
         agent = self.agent
-        step_started = time.monotonic()
-        wall_started = time.time()
-        generation, model_s = await self._ask_model(agent.messages, **agent.request())
-        sampling = self.cfg.model.sampling
-        record = text_step_record(turn, generation, token_ids=sampling.return_token_ids,
-                                  logprobs=sampling.logprobs)
-        reply = agent.read(generation.text, generation.tool_calls)
-        self.steps = turn  # a turn is a step
-        self.pending_record = record
-        env_started = time.monotonic()
-        ended = not reply.calls and reply.answer_problem is None
+        started = time.monotonic()
+        ended = decision.terminal is not None
         if ended:
             self.answer = reply.answer
-            agent.answered(generation.text, reply)
-            self.last_action = "answer"
-            record["action"] = "answer"
-            record["answer"] = reply.answer
+            agent.answered(record.response, reply)
+            self.last_action = record.action = "answer"
+            record.answer = reply.answer
         else:
-            limit = text_cfg.max_tool_calls_per_turn
+            limit = self.cfg.text.max_tool_calls_per_turn
             run, over = reply.calls[:limit], reply.calls[limit:]
             ran = await _all_or_none([env.step(c) for c in run])
             results: dict[str, StepResult] = {c.id: r for c, r in zip(run, ran, strict=True)}
@@ -141,19 +128,11 @@ class TextEpisode(DesktopEpisode):
                                                            TOOL_MALFORMED, text, text)
             # Answered in the order the model made the calls.
             answered = [c for c in reply.all_calls if c.id in results]
-            agent.called(generation.text, answered, results)
-            record["tool_calls"] = [tool_call_record(c, results[c.id]) for c in answered]
-            record["action"] = ",".join(c.name for c in answered)
-            self.last_action = record["action"]
-        env_s = time.monotonic() - env_started
-        split = {"action_s": env_s, "pause_s": 0.0, "screenshot_s": 0.0}
-        self._time_step(record, model_s, env_s, time.monotonic() - step_started, split,
-                        wall_started)
-        record["done"] = ended
-        previous, self.held_record, self.pending_record = self.held_record, record, None
-        if previous is not None:
-            await self.writer.step(previous)
-        return ended
+            agent.called(record.response, answered, results)
+            record.tool_calls = [tool_call_record(c, results[c.id]) for c in answered]
+            self.last_action = record.action = ",".join(c.name for c in answered)
+        split["action_s"] = time.monotonic() - started
+        return ended, None
 
     async def _evaluate(self, env: Any) -> float:
         t0 = time.monotonic()

@@ -1,23 +1,36 @@
-"""What an episode records about its steps: the traj.jsonl line of a step (OSWorld's fields,
-then ours), the last request as messages.json (images as the file names they were saved
-under), and which screenshots an episode still has to hold. The schema lives here, once; the
-episode loop fills it and the storage actor writes it."""
+"""What an episode records about its steps: ``StepRecord``, the one typed traj.jsonl line of a
+step (OSWorld's fields, then ours), filled by the episode loop (episode.py) in one place; the
+last request as messages.json (images as the file names they were saved under); and which
+screenshots an episode still has to hold. The storage actor writes ``StepRecord.line()``."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field, fields
 from datetime import datetime
 from typing import Any
 
-from cua_rollout.agents.uitars import Action, ParsedResponse
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.model.client import Generation
 
-__all__ = ["ScreenshotFiles", "action_dict", "discarded_generation", "image_spans",
-           "step_record", "text_step_record", "tool_call_record"]
+__all__ = ["UNSET", "ScreenshotFiles", "StepRecord", "discarded_generation", "image_spans",
+           "tool_call_record"]
 
 # Of a tool call's output, what its traj.jsonl line keeps (the model read all of it: the
 # tools cap their own outputs, so this bounds a line, not what the model saw).
 _TOOL_OUTPUT_RECORD_CHARS = 20000
+
+
+class _Unset:
+    """A field a step's line does not have (a text turn has no screenshot files, a desktop
+    step no tool calls; token ids only when asked for): left out of ``line()``."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "UNSET"
+
+
+UNSET: Any = _Unset()
 
 
 def _timestamp() -> str:
@@ -25,49 +38,62 @@ def _timestamp() -> str:
     return datetime.now().strftime("%Y%m%d@%H%M%S%f")
 
 
-def action_dict(a: Action) -> dict[str, Any]:
-    """One parsed action as stored in traj.jsonl."""
-    return {"kind": a.kind, "point": a.point, "end_point": a.end_point, "content": a.content,
-            "keys": a.keys, "direction": a.direction}
+@dataclass(slots=True, eq=False)
+class StepRecord:
+    """One step's traj.jsonl line, in the order the line keeps: OSWorld's fields (``step_num``
+    ... ``screenshot_file``), then what a desktop agent read from the reply, then what the
+    server generated, then the step's images, tool calls, answer and timing. ``UNSET`` fields
+    are not in the line. ``reward`` and ``done`` are final on the episode's last line."""
+
+    # OSWorld's fields
+    step_num: int
+    action_timestamp: str = field(default_factory=_timestamp)
+    action: str | None = None               # the code run and the terminal action
+    response: str = ""                      # the reply's text
+    reward: float | None = 0
+    done: bool = False
+    info: dict[str, Any] = field(default_factory=dict)  # the action's returncode and error
+    screenshot_file: str | None = None      # the screenshot observed after the step
+    # a desktop agent's reading of the reply
+    observation_file: str | None = UNSET    # the screenshot the step started from
+    thought: str | None = UNSET
+    actions: list[dict[str, Any]] = UNSET   # the parsed actions
+    parse_retries: int = UNSET              # replies dropped before this one
+    constrained: bool = UNSET               # sampled under the action grammar
+    # a tool-calling reply
+    response_tool_calls: list[dict[str, Any]] | None = UNSET
+    # what was generated, where and by which version
+    model_endpoint: str | None = None
+    model_version: str | None = None
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    token_ids: list[int] | None = UNSET         # sampling.return_token_ids
+    prompt_token_ids: list[int] | None = UNSET  # sampling.return_token_ids
+    logprobs: list[float] | None = UNSET        # sampling.logprobs
+    discarded: list[dict[str, Any]] = UNSET     # unparseable replies asked again
+    # the request's images: each one's file and placeholder tokens, and where the server
+    # put the placeholders in the prompt's token ids (when it returned them)
+    images: list[dict[str, Any]] = UNSET
+    image_spans: list[list[int]] | None = UNSET
+    # a text turn: each tool call and its result, or the final answer
+    tool_calls: list[dict[str, Any]] = UNSET
+    answer: str | None = UNSET
+    timing: dict[str, float] = UNSET
+
+    @classmethod
+    def of_reply(cls, step: int, generation: Generation, *, token_ids: bool,
+                 logprobs: bool) -> StepRecord:
+        """A step's record as known once the model replied."""
+        return cls(step, response=generation.text,
+                   **_generated(generation, token_ids=token_ids, logprobs=logprobs))
+
+    def line(self) -> dict[str, Any]:
+        """The traj.jsonl line (a dict of the set fields, in order)."""
+        return {name: value for name in _FIELDS
+                if (value := getattr(self, name)) is not UNSET}
 
 
-def step_record(step: int, generation: Generation, parsed: ParsedResponse | None,
-                parse_retries: int, observation_file: str | None, *,
-                token_ids: bool, logprobs: bool, constrained: bool = False) -> dict[str, Any]:
-    """A step's traj.jsonl line as known once the model replied; the loop fills ``action``,
-    ``info``, ``timing``, ``done``, ``screenshot_file`` (and ``reward`` at the end).
-    ``constrained``: the reply was sampled under the action grammar (its logprobs are those
-    of the constrained process)."""
-    record: dict[str, Any] = {
-        **_osworld_fields(step, generation),
-        # ours
-        "observation_file": observation_file,
-        "thought": parsed.thought if parsed else None,
-        "actions": [action_dict(a) for a in parsed.actions] if parsed else [],
-        "parse_retries": parse_retries,
-        "constrained": constrained,
-        **_generated(generation, token_ids=token_ids, logprobs=logprobs),
-    }
-    return record
-
-
-def _osworld_fields(step: int, generation: Generation) -> dict[str, Any]:
-    """OSWorld's fields of a traj.jsonl line, as known once the model replied."""
-    return {"step_num": step, "action_timestamp": _timestamp(), "action": None,
-            "response": generation.text, "reward": 0, "done": False, "info": {},
-            "screenshot_file": None}
-
-
-def text_step_record(turn: int, generation: Generation, *, token_ids: bool,
-                     logprobs: bool) -> dict[str, Any]:
-    """A text episode's turn as traj.jsonl keeps it: OSWorld's fields (``action`` is the
-    tools called, or ``answer``), the reply's text and tool calls, and what was generated;
-    the loop adds ``tool_calls`` (each call and its result), ``answer``, ``timing``."""
-    return {
-        **_osworld_fields(turn, generation),
-        "response_tool_calls": generation.tool_calls,
-        **_generated(generation, token_ids=token_ids, logprobs=logprobs),
-    }
+_FIELDS = tuple(f.name for f in fields(StepRecord))
 
 
 def tool_call_record(call: Any, result: Any) -> dict[str, Any]:
@@ -78,6 +104,14 @@ def tool_call_record(call: Any, result: Any) -> dict[str, Any]:
     return {"id": call.id, "name": call.name, "arguments": call.arguments, "output": output,
             "returncode": result.returncode, "error": result.error or None,
             "duration_s": round(result.duration_s, 6)}
+
+
+def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
+                         logprobs: bool) -> dict[str, Any]:
+    """A reply dropped because it did not parse (the step asked again): kept in its step's
+    ``discarded`` list with what the server produced, so a trainer can use or mask it."""
+    return {"response": generation.text, "error": error,
+            **_generated(generation, token_ids=token_ids, logprobs=logprobs)}
 
 
 def _generated(generation: Generation, *, token_ids: bool, logprobs: bool) -> dict[str, Any]:
@@ -93,14 +127,6 @@ def _generated(generation: Generation, *, token_ids: bool, logprobs: bool) -> di
     if logprobs:
         out["logprobs"] = generation.logprobs
     return out
-
-
-def discarded_generation(generation: Generation, error: str, *, token_ids: bool,
-                         logprobs: bool) -> dict[str, Any]:
-    """A reply dropped because it did not parse (the step asked again): kept in its step's
-    ``discarded`` list with what the server produced, so a trainer can use or mask it."""
-    return {"response": generation.text, "error": error,
-            **_generated(generation, token_ids=token_ids, logprobs=logprobs)}
 
 
 def image_spans(prompt_token_ids: list[int] | None, counts: list[int]

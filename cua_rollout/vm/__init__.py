@@ -9,15 +9,17 @@ Kubernetes pod. The desktop provider builds on it and translates its ``VMError``
     readystate.py  ReadyStateCache: saved states keyed by the image and machine settings
     images.py      up-front checks (QEMU, image, firmware, memory)
     kvm.py         probe_kvm(): whether guests make progress under KVM here
+    gate.py        TokenGate: a VM port's host side, checking the desktops' bearer token
     errors.py      VMError
 """
 
 from cua_rollout.vm.errors import VMError
+from cua_rollout.vm.gate import TokenGate
 from cua_rollout.vm.images import check_machine
 from cua_rollout.vm.kvm import probe_kvm
 from cua_rollout.vm.machine import Machine, sweep
 from cua_rollout.vm.readystate import ReadyState, ReadyStateCache
 from cua_rollout.vm.spec import MachineSpec
 
-__all__ = ["Machine", "MachineSpec", "ReadyState", "ReadyStateCache", "VMError",
+__all__ = ["Machine", "MachineSpec", "ReadyState", "ReadyStateCache", "TokenGate", "VMError",
            "check_machine", "probe_kvm", "sweep"]

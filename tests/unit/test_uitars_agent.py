@@ -51,7 +51,11 @@ def test_agents_are_registered_by_name_one_per_family():
 
 def test_terminal_actions_and_what_runs_before_them():
     agent = _agent()
-    assert agent.decide(_parsed("finished(content='ok')")) == (None, DONE)
+    decision = agent.decide(_parsed("finished(content='ok')"))
+    assert decision[:2] == (None, DONE)
+    # What the agent read is the step's parse record (traj.jsonl's thought and actions).
+    assert decision.parse == ("x", [{"kind": "finished", "point": None, "end_point": None,
+                                     "content": "ok", "keys": [], "direction": None}])
     assert agent.decide(_parsed("wait()")).terminal == WAIT
     decision = agent.decide(_parsed("click(start_box='(10,10)')\n\nfinished()"))
     assert decision.terminal == DONE and decision.code.startswith("pyautogui.click(")
@@ -59,7 +63,7 @@ def test_terminal_actions_and_what_runs_before_them():
     decision = agent.decide(_parsed("hotkey(key='ctrl s')"))
     assert decision.terminal is None and "hotkey" in decision.code
     assert decision.action == decision.code
-    assert agent.decide(None).terminal == FAIL  # unparseable after every retry
+    assert agent.decide(None) == (None, FAIL, (None, []))  # unparseable after every retry
 
 
 def test_call_user_fails_or_waits_up_to_the_configured_number():

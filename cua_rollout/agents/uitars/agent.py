@@ -6,9 +6,9 @@ resized screenshot, ``uitars-1.0`` in relative units 0..1000."""
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from cua_rollout.agents.base import AgentRequest, Decision
+from cua_rollout.agents.base import AgentRequest, Decision, ParseRecord
 from cua_rollout.agents.uitars.codegen import split_terminal, to_pyautogui
 from cua_rollout.agents.uitars.grammar import action_regex
 from cua_rollout.agents.uitars.parser import ParsedResponse, parse_response
@@ -33,7 +33,7 @@ class _Frame:
 
 
 class UITarsAgent:
-    """One episode's UI-TARS agent (``DesktopAgent``)."""
+    """One episode's UI-TARS agent (``cua_rollout.agents.base.Agent``)."""
 
     family: ClassVar[str]
 
@@ -78,7 +78,9 @@ class UITarsAgent:
                         "tokens")
         return AgentRequest(messages, shots, frame.image_tokens, frame.regex, least_tokens)
 
-    def parse(self, text: str, shot: Screenshot) -> ParsedResponse:
+    def parse(self, text: str, shot: Screenshot,
+              tool_calls: list[dict[str, Any]] | None = None) -> ParsedResponse:
+        """The reply's actions in screen pixels (``tool_calls``: UI-TARS answers in text)."""
         width, height = shot.size
         parsed = parse_response(text, width, height, self.family,
                                 min_pixels=self.settings.min_pixels,
@@ -92,20 +94,21 @@ class UITarsAgent:
         ``call_user`` fails the episode, as UI-TARS agents do, or waits up to
         ``agent.call_user_max_waits`` times. An unparseable reply (None) is FAIL."""
         if parsed is None:
-            return Decision(None, FAIL)
+            return Decision(None, FAIL, ParseRecord(None, []))
+        read = ParseRecord(parsed.thought, [a.record() for a in parsed.actions])
         before, kind = split_terminal(parsed.actions)
         code = to_pyautogui(before) if before else None
         if kind == "finished":
-            return Decision(code, DONE)
+            return Decision(code, DONE, read)
         if kind == "wait":
-            return Decision(code, WAIT)
+            return Decision(code, WAIT, read)
         if kind == "call_user":
             if (self.settings.call_user == "wait"
                     and self.call_user_waits < self.settings.call_user_max_waits):
                 self.call_user_waits += 1
-                return Decision(code, WAIT)
-            return Decision(code, FAIL)
-        return Decision(code, None)
+                return Decision(code, WAIT, read)
+            return Decision(code, FAIL, read)
+        return Decision(code, None, read)
 
     def remember(self, shot: Screenshot, text: str) -> Screenshot | None:
         self.history.append(Turn(shot, text))

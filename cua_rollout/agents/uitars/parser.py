@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from cua_rollout.agents.uitars.coordinates import Frame, frame_of
 from cua_rollout.core.errors import ActionParseError
@@ -124,6 +125,11 @@ class Action:
     model_point: tuple[float, float] | None = None
     model_end_point: tuple[float, float] | None = None
     call: str = ""
+
+    def record(self) -> dict[str, Any]:
+        """The action as traj.jsonl's ``actions`` keep it."""
+        return {"kind": self.kind, "point": self.point, "end_point": self.end_point,
+                "content": self.content, "keys": self.keys, "direction": self.direction}
 
 
 @dataclass
