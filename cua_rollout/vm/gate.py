@@ -36,8 +36,8 @@ _BAD_VALUE = re.compile(rb"[\x00\r\n]")  # a bare CR or LF would let a lenient u
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _HEAD_END = b"\r\n\r\n"
 _IO_BYTES = 256 * 1024  # one read of a body or of a raw stream, and the upstream's buffer
-_REASONS = {400: "Bad Request", 401: "Unauthorized", 431: "Request Header Fields Too Large",
-            502: "Bad Gateway"}
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized",
+            431: "Request Header Fields Too Large", 502: "Bad Gateway"}
 
 
 @dataclass(frozen=True)
@@ -129,7 +129,8 @@ class TokenGate:
                  max_head_bytes: int = 64 * 1024,   # a request line and headers, at most
                  connect_timeout_s: float = 5.0,    # to open the upstream connection
                  stall_timeout_s: float = 300.0,    # a body or reply in flight without progress
-                 linger_s: float = 2.0) -> None:    # around an error reply (see _refuse)
+                 linger_s: float = 2.0,             # around an error reply (see _refuse)
+                 answers: dict[str, object] | None = None) -> None:
         if token == "":
             raise ValueError("token must be a non-empty string, or None for no check")
         self.listen_host = listen_host
@@ -141,6 +142,9 @@ class TokenGate:
         self.stall_timeout_s = stall_timeout_s
         self.linger_s = linger_s
         self.port: int | None = None
+        # "GET /path" -> a JSON value the gate answers itself (after the token check), e.g.
+        # a VM's host-side ports at /ports; the connection then closes.
+        self.answers = {k.encode(): json.dumps(v).encode() for k, v in (answers or {}).items()}
         self._token = token.encode() if token is not None else None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -254,6 +258,11 @@ class _Connection:
             if not gate._authorized(request.credentials):
                 gate._refused += 1
                 await self._refuse(401, "missing or wrong bearer token", authenticate=True)
+                return
+            answer = gate.answers.get(b" ".join(head.split(b" ", 2)[:2])) if gate.answers \
+                else None
+            if answer is not None and not request.content_length and not request.chunked:
+                await self._reply(200, answer)
                 return
             if self.upstream_writer is None:
                 try:
@@ -383,15 +392,19 @@ class _Connection:
         return bool(done)
 
     async def _refuse(self, status: int, message: str, *, authenticate: bool = False) -> None:
-        """Answer ``status`` after the replies owed on this connection, then close it. An
-        upstream still replying after ``linger_s`` is cut with the client: a reply cannot be
-        appended to one unfinished."""
+        """Answer ``status`` with ``{"error": message}`` (see ``_reply``)."""
+        await self._reply(status, json.dumps({"error": message}).encode(),
+                          authenticate=authenticate)
+
+    async def _reply(self, status: int, body: bytes, *, authenticate: bool = False) -> None:
+        """Answer ``status`` with the JSON ``body`` after the replies owed on this connection,
+        then close it. An upstream still replying after ``linger_s`` is cut with the client: a
+        reply cannot be appended to one unfinished."""
         if not await self._finish_upstream(self.gate.linger_s):
             raise _Abort
         client = self.client_writer
         if client.is_closing():
             return
-        body = json.dumps({"error": message}).encode()
         head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n"
                 + ("WWW-Authenticate: Bearer\r\n" if authenticate else "") + "\r\n")

@@ -386,3 +386,17 @@ async def test_close_ends_open_connections_and_releases_the_port(make_gate, upst
     with pytest.raises(OSError):
         await asyncio.open_connection("127.0.0.1", port)
     assert _sockets_of(port) == []
+
+
+async def test_the_gate_answers_its_own_paths_after_the_token_check(make_gate, upstream):
+    """A VM's host-side ports are the gate's to tell (``GET /ports``): the guest knows only
+    its own. Other paths still reach the upstream; the answer needs the token too."""
+    gate = await make_gate(answers={"GET /ports": {"chromium": 41001, "vlc": 41002}})
+    async with _client(gate) as client:
+        ports = await client.get("/ports", headers=GOOD)
+        refused = await client.get("/ports")
+        other = await client.get("/state", headers=GOOD)
+    assert ports.status_code == 200 and ports.json() == {"chromium": 41001, "vlc": 41002}
+    assert refused.status_code == 401
+    assert other.status_code == 200
+    assert [r["path"] for r in upstream.seen] == ["/state"]

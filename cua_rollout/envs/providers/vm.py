@@ -228,7 +228,7 @@ class VMProvider(DesktopProvider):
             vlc = TokenGate(v.bind_host, 0, "127.0.0.1", machine.ports[v.vlc_port], None)
             ports = {"chromium": await devtools.start(), "vlc": await vlc.start()}
             server = TokenGate(v.bind_host, 0, "127.0.0.1", machine.ports[v.server_port],
-                               self.token, ports=ports)
+                               self.token, answers={"GET /ports": ports})
             await server.start()
             gates += [server, devtools, vlc]
         return f"http://{reachable_host(v.bind_host)}:{gates[0].port}"
