@@ -67,7 +67,7 @@ def evaluator_functions(spec: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
 
 class Problem(NamedTuple):
     """Why part of a task cannot run: ``key`` names the part ("metric:NAME",
-    "getter:NAME", "setup:TYPE", "evaluator"), ``message`` the reason."""
+    "getter:NAME", "setup:TYPE", "app:NAME", "evaluator"), ``message`` the reason."""
 
     key: str
     message: str
