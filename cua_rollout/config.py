@@ -642,6 +642,12 @@ class DesktopsConfig(_Section):
 
     provider: Literal["local", "static", "container", "kubernetes", "vm"] = "local"
     """Where desktops come from."""
+    apps: list[str] | None = None
+    """The apps the desktops have (OSWorld's names: ``chrome``, ``libreoffice_calc``,
+    ``vs_code`` ...): a task naming another in its ``related_apps`` is skipped as not
+    runnable here. Null: the provider says (``local``: the commands installed here;
+    ``container``: the image's ``cua.apps`` label; others: every app).
+    ``cua_rollout/envs/apps.py``."""
     node: str | None = None
     """The Ray node that runs the desktop pool, and so starts ``local`` desktops and runs
     the ``container`` engine's CLI: its IP address as Ray reports it (``ray.nodes()``'s

@@ -55,7 +55,7 @@ hash_of() { sha256sum | cut -c1-12; }
 # The image's Python: Debian's (the venv sees its python3-pyatspi; pyautogui needs tkinter).
 image_python="python3,python3-venv,python3-tk,ca-certificates"
 base_hash="$(printf '%s\n' "$image_python" "$pkg_list" "$base_from" | hash_of)"
-inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt";
+inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt" cua_rollout/envs/apps.py;
     find cua_rollout/desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
         | xargs -0 sha256sum; } | hash_of)"
 base_tag="localhost/cua-desktop-base:bookworm-$base_hash"
@@ -147,10 +147,14 @@ cp "$image_dir/requirements.txt" "$work/ctx/"
 # namespace package holding the desktop server and nothing of the controller.
 mkdir -p "$work/ctx/cua_rollout/desktop"
 tar -C cua_rollout/desktop --exclude=__pycache__ --exclude='*.pyc' -c . | tar -C "$work/ctx/cua_rollout/desktop" -x
-log "building $tag with $engine"
+# The apps the image's packages provide (the pre-flight check reads this label: a task whose
+# related_apps the desktops lack is not runnable on them).
+apps="$("$py" -m cua_rollout.envs.apps "${packages[@]}")" \
+    || { echo "build_desktop_image.sh: $py cannot list the image's apps (cua_rollout.envs.apps)" >&2; exit 2; }
+log "building $tag with $engine (apps: $apps)"
 "$engine" build "${build_flags[@]}" --build-arg "BASE=$base_tag" \
     --label "org.opencontainers.image.version=$version" --label "cua.profile=$profile" \
-    --label "cua.inputs=$inputs_hash" \
+    --label "cua.inputs=$inputs_hash" --label "cua.apps=$apps" \
     -t "$tag" -t "localhost/cua-desktop:$version-$profile" -t "localhost/cua-desktop:$profile" -f "$image_dir/Containerfile" "$work/ctx" >&2
 size="$("$engine" image inspect "$tag" --format '{{.Size}}')"
 log "built $tag: $((size / 1024 / 1024)) MB in $(( $(date +%s) - started )) s"

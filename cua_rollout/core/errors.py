@@ -196,8 +196,11 @@ class EvaluationError(InfraError):
 
 
 class EvaluatorRaised(EvaluationError):
-    """OSWorld's own metric or getter raised on its input (its worker answered, with the
-    error): the function's doing, unlike a worker that died, timed out or cannot start."""
+    """A metric or getter raised on what the agent left (no output file, an empty command
+    output, a file it saved that does not parse), natively or in OSWorld's own code (its
+    worker answered, with the error): unlike a worker that died, timed out or cannot start,
+    or a desktop that did not answer. The episode is the agent's failure (reward 0, the
+    reason kept as ``evaluation_error``), not an infra_error."""
 
 
 class ModelRequestError(RolloutError):

@@ -130,6 +130,9 @@ class EpisodeResult:
     # A text episode's (math, py, rag, web): mode, benchmark, metric, variant, the final
     # answer, turns and tool-call counts. None for desktop episodes (left out of record()).
     text: dict[str, Any] | None = None
+    # Why the evaluation scored 0 because it raised on what the agent left (a file it did
+    # not write, one that does not parse): the agent's failure. Left out of record() if None.
+    evaluation_error: str | None = None
 
     @property
     def mixed_versions(self) -> bool:
@@ -143,8 +146,9 @@ class EpisodeResult:
         out["mixed_versions"] = self.mixed_versions
         for scheduling_only in ("retryable", "outage", "fatal"):
             out.pop(scheduling_only)
-        if out["text"] is None:
-            out.pop("text")
+        for absent in ("text", "evaluation_error"):
+            if out[absent] is None:
+                out.pop(absent)
         return out
 
 

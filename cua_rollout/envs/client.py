@@ -136,6 +136,9 @@ class RemoteDesktopEnv:
             else None
         )
         self.task_id: str | None = None
+        # What the task's setup wrote into its cache (``execute``'s stdout/stderr files):
+        # this episode's, for the cache_file getter (SetupTarget.task_cache).
+        self.task_cache: dict[str, str] = {}
         self._chromium_port: int | None = None
         self._vlc_port: int | None = None
         self._ports_known = False
@@ -154,6 +157,7 @@ class RemoteDesktopEnv:
     async def reset(self, task: Mapping[str, Any]) -> Screenshot:
         """Run ``task["config"]`` (OSWorld setup steps) and return the first observation."""
         self.task_id = str(task.get("id", "")) or None
+        self.task_cache = {}
         await self.learn_ports()
         for index, step in enumerate(task.get("config") or []):
             await self.run_setup_step(step, index)

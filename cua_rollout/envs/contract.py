@@ -102,7 +102,9 @@ class TextEnv(Protocol):
 @runtime_checkable
 class DesktopProbe(Protocol):
     """What scoring reads from a desktop (``cua_rollout.evaluation``): no HTTP in sight, so a fake
-    needs only these methods."""
+    needs only these methods. A probe that ran the task's setup may also keep a
+    ``task_cache`` dict (file name -> text: what ``execute`` steps saved as OSWorld's
+    SetupController does), which the ``cache_file`` getter reads."""
 
     async def get_file(self, path: str) -> bytes | None:
         """The file's bytes, or None when it does not exist."""

@@ -34,7 +34,7 @@ from cua_rollout.envs import chrome
 from cua_rollout.envs.downloads import confined_path, download_cache
 
 __all__ = ["STEP_PARAMETERS", "STEP_TYPES", "Parameter", "SetupTarget", "confined_path",
-           "run_setup_step", "step_problem"]
+           "run_setup_step", "step_problem", "until_met"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +47,9 @@ class SetupTarget(Protocol):
 
     cfg: DesktopsConfig
     task_id: str | None
+    # Files an ``execute`` step wrote into the task's cache (its ``stdout``/``stderr``
+    # names -> the text), for the ``cache_file`` getter: this episode's, never shared.
+    task_cache: dict[str, str]
 
     @property
     def client_password(self) -> str | None: ...
@@ -115,12 +118,16 @@ async def _execute(
     stderr: str = "",
     until: Mapping[str, Any] | None = None,
 ) -> None:
-    # stdout/stderr name files on the OSWorld host for logs; nothing to do with them here.
-    del stdout, stderr
     deadline = time.monotonic() + desktop.cfg.setup_timeout_s
     while True:
         reply = await desktop.setup_execute(command, shell)
-        if not until or _until_met(reply, until):
+        # As OSWorld's SetupController: each answer's output and error go into the task's
+        # cache under the names given (the cache_file getter reads them when scoring).
+        if stdout:
+            desktop.task_cache[stdout] = str(reply.get("output") or "")
+        if stderr:
+            desktop.task_cache[stderr] = str(reply.get("error") or "")
+        if not until or until_met(reply, until):
             return
         if time.monotonic() > deadline:
             raise TaskSetupError(f"execute {command!r}: 'until' {dict(until)} not met in time")
@@ -300,7 +307,9 @@ _TEXT = Parameter(False, _is_str, "a string")
 _WINDOW = {"window_name": Parameter(True, lambda v: isinstance(v, str) and bool(v),
                                     "a non-empty string"),
            "strict": _FLAG, "by_class": _FLAG}
-_EXECUTE = {"command": _COMMAND, "shell": _FLAG, "stdout": _TEXT, "stderr": _TEXT,
+_CACHE_NAME = Parameter(False, lambda v: isinstance(v, str) and _is_cache_name(v),
+                        "a relative file name in the task's cache (no '..')")
+_EXECUTE = {"command": _COMMAND, "shell": _FLAG, "stdout": _CACHE_NAME, "stderr": _CACHE_NAME,
             "until": Parameter(False, lambda v: v is None or isinstance(v, Mapping),
                                "a mapping of returncode / stdout / stderr")}
 
@@ -442,13 +451,20 @@ _FILE_CHECKS: dict[str, Callable[[Mapping[str, Any], DesktopsConfig, str | None]
 # --------------------------------------------------------------------------- helpers
 
 
-def _until_met(reply: Mapping[str, Any], until: Mapping[str, Any]) -> bool:
-    """OSWorld's ``until``: every given field matches (returncode equal, text contained)."""
-    if "returncode" in until and reply.get("returncode") != until["returncode"]:
-        return False
-    if "stdout" in until and str(until["stdout"]) not in str(reply.get("output") or ""):
-        return False
-    return not ("stderr" in until and str(until["stderr"]) not in str(reply.get("error") or ""))
+def until_met(reply: Mapping[str, Any], until: Mapping[str, Any]) -> bool:
+    """OSWorld's ``until`` (``SetupController._execute_setup``): met when ANY given field
+    matches: the returncode equal, or the text contained in stdout, or in stderr."""
+    return (("returncode" in until and reply.get("returncode") == until["returncode"])
+            or ("stdout" in until and str(until["stdout"]) in str(reply.get("output") or ""))
+            or ("stderr" in until and str(until["stderr"]) in str(reply.get("error") or "")))
+
+
+def _is_cache_name(name: str) -> bool:
+    """An empty name (none) or a relative path that stays inside the task's cache."""
+    if not name:
+        return True
+    parts = name.replace("\\", "/").split("/")
+    return not name.startswith("/") and ".." not in parts and all(parts)
 
 
 def _fill_placeholders(desktop: SetupTarget, value: Any, where: str) -> Any:

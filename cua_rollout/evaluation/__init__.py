@@ -23,11 +23,16 @@ import asyncio
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator, Mapping
+from collections.abc import Awaitable, Iterator, Mapping
 from pathlib import Path
 from typing import Any, Literal, NamedTuple
 
-from cua_rollout.core.errors import EvaluationError, UnsupportedEvaluator
+from cua_rollout.core.errors import (
+    EvaluationError,
+    EvaluatorRaised,
+    RolloutError,
+    UnsupportedEvaluator,
+)
 from cua_rollout.core.types import FAIL, is_infeasible
 from cua_rollout.envs.contract import DesktopProbe
 from cua_rollout.evaluation.getters import GETTERS, EvalContext, local_file
@@ -62,7 +67,7 @@ def evaluator_functions(spec: Mapping[str, Any]) -> tuple[list[Any], list[Any]]:
 
 class Problem(NamedTuple):
     """Why part of a task cannot run: ``key`` names the part ("metric:NAME",
-    "getter:NAME", "setup:TYPE", "evaluator"), ``message`` the reason."""
+    "getter:NAME", "setup:TYPE", "app:NAME", "evaluator"), ``message`` the reason."""
 
     key: str
     message: str
@@ -184,6 +189,15 @@ def _cloud_files(spec: Mapping[str, Any]) -> Iterator[tuple[str, str]]:
                     yield str(paths), str(dests)
 
 
+def _write_task_cache(files: Mapping[str, str], scratch: Path) -> None:
+    """The files the task's setup saved (``execute`` with ``stdout``/``stderr``), written into
+    this evaluation's cache directory."""
+    for name, text in files.items():
+        target = local_file(scratch / name, [scratch], "setup output")
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+
+
 def _link_or_copy(source: Path, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     try:
@@ -228,8 +242,11 @@ async def evaluate(
         return 0.0
 
     # Files fetched for this evaluation live in a directory of its own, removed afterwards:
-    # two rollouts of one task scored at once must not overwrite each other's files.
+    # two rollouts of one task scored at once must not overwrite each other's files. It is
+    # the task's cache as OSWorld's getters see it: what the setup saved there goes first.
     with tempfile.TemporaryDirectory(prefix="cua-eval-") as scratch:
+        await asyncio.to_thread(_write_task_cache, getattr(probe, "task_cache", None) or {},
+                                Path(scratch))
         if route == "osworld":
             assert evaluator is not None
             return await evaluator._osworld(probe, spec, Path(scratch), task_id)
@@ -256,7 +273,8 @@ async def _score(ctx: EvalContext, spec: Mapping[str, Any], funcs: Any) -> float
         # OSWorld: a result getter's FileNotFoundError scores 0 (under "or", the previous
         # metric's result is used again; on the first one OSWorld fails).
         try:
-            result = await _get(ctx, result_cfg) if result_cfg else None
+            result = await _raised_on_input(_get(ctx, result_cfg), f"getter {_kind(result_cfg)}"
+                                            ) if result_cfg else None
         except FileNotFoundError:
             if not many or conj == "and":
                 return 0.0
@@ -265,12 +283,14 @@ async def _score(ctx: EvalContext, spec: Mapping[str, Any], funcs: Any) -> float
                                       "under conj 'or' (OSWorld: UnboundLocalError)") from None
         args = [result]
         if expected_cfg:
-            args.append(await _get(ctx, expected_cfg))
+            args.append(await _raised_on_input(_get(ctx, expected_cfg),
+                                               f"getter {_kind(expected_cfg)}"))
         for path in args[: _FILE_ARGUMENTS.get(metric, 0)]:
             if isinstance(path, str) and path:
                 local_file(path, ctx.readable_roots(), f"metric {name}")
         # Metrics read files: off the event loop.
-        score = float(await asyncio.to_thread(metric, *args, **(opts or {})))
+        score = float(await _raised_on_input(
+            asyncio.to_thread(metric, *args, **(opts or {})), f"metric {name}"))
         scores.append(score)
         if conj == "and" and score == 0.0:
             return 0.0
@@ -280,6 +300,22 @@ async def _score(ctx: EvalContext, spec: Mapping[str, Any], funcs: Any) -> float
 
 
 _UNBOUND = object()
+
+
+async def _raised_on_input(call: Awaitable[Any], what: str) -> Any:
+    """Await a getter or a metric: an exception of its own (not one of ours: a desktop that
+    did not answer, an unsupported evaluator; not FileNotFoundError, which OSWorld scores 0)
+    was raised on what the agent left, and becomes ``EvaluatorRaised``."""
+    try:
+        return await call
+    except (RolloutError, FileNotFoundError):
+        raise
+    except Exception as exc:
+        raise EvaluatorRaised(f"{what} raised {type(exc).__name__}: {exc}") from exc
+
+
+def _kind(cfg: Any) -> str:
+    return str(cfg.get("type")) if isinstance(cfg, Mapping) else repr(cfg)
 
 
 def _as_list(value: Any, n: int, many: bool) -> list[Any]:

@@ -134,14 +134,19 @@ async def get_rule(ctx: EvalContext, cfg: Mapping[str, Any]) -> Any:
 
 
 async def get_cache_file(ctx: EvalContext, cfg: Mapping[str, Any]) -> str:
-    """A file the task ships (expected outputs), under ``desktops.download_cache_dir``;
-    ``UnsupportedEvaluator`` when ``path`` leads out of it (absolute, ``..``, a symlink)."""
+    """A file in the task's cache: one the task's setup saved (``execute``'s ``stdout`` /
+    ``stderr``, in this evaluation's directory), else one the task ships (expected outputs)
+    under ``desktops.download_cache_dir``; ``UnsupportedEvaluator`` when ``path`` leads out
+    of them (absolute, ``..``, a symlink) or is in neither."""
     root = ctx.cache_dir
-    for candidate in (root / (ctx.task_id or "") / cfg["path"], root / cfg["path"]):
-        local = local_file(candidate, [root], "cache_file")
+    for candidate, base in ((ctx.scratch / cfg["path"], ctx.scratch),
+                            (root / (ctx.task_id or "") / cfg["path"], root),
+                            (root / cfg["path"], root)):
+        local = local_file(candidate, [base], "cache_file")
         if local.is_file():
             return str(local)
-    raise UnsupportedEvaluator(f"cache_file {cfg['path']!r} is not in {root}")
+    raise UnsupportedEvaluator(f"cache_file {cfg['path']!r} is not in {root} nor saved by "
+                               "the task's setup")
 
 
 GETTERS: dict[str, Getter] = {

@@ -32,14 +32,17 @@ from typing import Any
 
 from cua_rollout.core.errors import (
     ConfigError,
+    DesktopError,
     EvaluationError,
     EvaluatorRaised,
+    RolloutError,
     UnsupportedEvaluator,
 )
 from cua_rollout.core.files import write_atomic
 from cua_rollout.envs.contract import DesktopAddress
 
-__all__ = ["WORKER", "Catalog", "OSWorldBridge", "catalog_of", "default_python"]
+__all__ = ["WORKER", "Catalog", "OSWorldBridge", "catalog_of", "default_python",
+           "error_of_reply"]
 
 log = logging.getLogger(__name__)
 
@@ -208,7 +211,7 @@ class OSWorldBridge:
         if reply.get("kind") == "unsupported":
             raise UnsupportedEvaluator(f"OSWorld evaluator: {reply.get('error')}")
         tail = (reply.get("traceback") or "").strip().splitlines()[-6:]
-        raise _failure(reply)(f"OSWorld's evaluator code raised {reply.get('error')}"
+        raise error_of_reply(reply)(f"OSWorld's evaluator code raised {reply.get('error')}"
                               + ("\n" + "\n".join(tail) if tail else ""))
 
     async def call(self, request: dict[str, Any], timeout_s: float | None = None) -> Any:
@@ -219,7 +222,7 @@ class OSWorldBridge:
         if not reply.get("ok"):
             if reply.get("kind") == "unsupported":
                 raise UnsupportedEvaluator(str(reply.get("error")))
-            raise _failure(reply)(str(reply.get("error")))
+            raise error_of_reply(reply)(str(reply.get("error")))
         return reply.get("value")
 
     async def close(self) -> None:
@@ -280,7 +283,11 @@ def _catalog_key(bridge: OSWorldBridge) -> str:
 
 
 
-def _failure(reply: dict[str, Any]) -> type[EvaluationError]:
-    """The error of a worker's "error" reply: OSWorld's function raised
-    (``EvaluatorRaised``); else the worker did not understand the request."""
-    return EvaluatorRaised if reply.get("kind") == "error" else EvaluationError
+def error_of_reply(reply: dict[str, Any]) -> type[RolloutError]:
+    """The error of a worker's failed reply: OSWorld's function raised on its input
+    (``EvaluatorRaised``: the agent's failure), or could not reach the desktop ("transport":
+    a ``DesktopError``, an infra_error); else the worker did not understand the request."""
+    kind = reply.get("kind")
+    if kind == "transport":
+        return DesktopError
+    return EvaluatorRaised if kind == "error" else EvaluationError

@@ -17,7 +17,8 @@ Protocol: one JSON object per line on stdin, one reply per line on the original 
     <- {"id": 1, "op": "evaluate", "evaluator": {func, result, expected, options, conj},
         "desktop": {"url", "token", "chromium_port", "vlc_port"}, "cache_dir": dir}
     -> {"id": 1, "ok": true, "score": 0.5, "seconds": s}
-     | {"id": 1, "ok": false, "kind": "unsupported"|"error", "error": "...", "traceback": "..."}
+     | {"id": 1, "ok": false, "kind": "unsupported"|"error"|"transport", "error": "...",
+        "traceback": "..."}
      | {"id": 1, "ok": false, "kind": "bad_request", "error": "unknown op ..."}
     <- {"op": "metric", "name", "args", "options"}        one metric on given values
     <- {"op": "getter", "config", "desktop", "cache_dir"}  one getter on a desktop
@@ -57,7 +58,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["DesktopView", "Registry", "evaluate", "main"]
+__all__ = ["DesktopView", "Registry", "evaluate", "is_transport", "main"]
 
 # Libraries a metric module imports at its top but only some of its functions use; what
 # using one of those functions here would need.
@@ -336,6 +337,16 @@ def evaluate(registry: Registry, evaluator: dict[str, Any], env: DesktopView) ->
     return sum(scores) / len(scores) if conj == "and" else max(scores)
 
 
+def is_transport(exc: BaseException) -> bool:
+    """The desktop (or its browser, its VLC) did not answer: a request that failed on the
+    way, not a function that raised on what it read."""
+    if isinstance(exc, (ConnectionError, TimeoutError)):
+        return True
+    module = type(exc).__module__
+    return module.startswith(("requests.", "urllib3.", "playwright.")) and (
+        "Connection" in type(exc).__name__ or "Timeout" in type(exc).__name__)
+
+
 def _handle(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
     op = request.get("op")
     if op == "catalog":
@@ -368,7 +379,8 @@ def _handle(registry: Registry, request: dict[str, Any]) -> dict[str, Any]:
     except Unsupported as exc:
         return {"ok": False, "kind": "unsupported", "error": str(exc)}
     except Exception as exc:
-        return {"ok": False, "kind": "error", "error": f"{type(exc).__name__}: {exc}",
+        return {"ok": False, "kind": "transport" if is_transport(exc) else "error",
+                "error": f"{type(exc).__name__}: {exc}",
                 "traceback": traceback.format_exc(limit=-8)}
     finally:
         _AUTH.pop(origin, None)

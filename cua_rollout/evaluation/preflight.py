@@ -4,7 +4,8 @@ Each setup step (``config`` and the evaluator's ``postconfig``) is checked by th
 steps' own rules (``cua_rollout.envs.setup_steps.step_problem``: a known type, its parameters,
 credentials, cached files when offline), and the evaluator by the route that would score it
 (``cua_rollout.evaluation.route_problem``: a native implementation, or OSWorld's evaluator
-environment's catalog). The task loader skips a task with problems and reports them;
+environment's catalog), and the apps the task names (``related_apps``) by what the desktops
+have (``cua_rollout.envs.apps``). The task loader skips a task with problems and reports them;
 ``scripts/check_tasks.py`` prints the same report for any task set.
 """
 
@@ -15,6 +16,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from cua_rollout.envs.apps import DesktopApps, desktop_apps
 from cua_rollout.evaluation import Problem, route_problem
 from cua_rollout.evaluation.osworld_bridge import Catalog, OSWorldBridge, catalog_of
 
@@ -46,6 +48,7 @@ class TaskChecker:
         self._catalog = catalog
         self._asked = catalog is not None
         self.catalog_error: str | None = None
+        self._apps: DesktopApps | None = None
 
     def catalog(self) -> Catalog | None:
         if not self._asked:
@@ -63,7 +66,7 @@ class TaskChecker:
 
         if is_text_task(task):  # no desktop, no OSWorld evaluator: an answer metric
             return []
-        problems: list[Problem] = []
+        problems: list[Problem] = self._app_problems(task)
         evaluator = task.get("evaluator")
         steps = [("config", task.get("config"))]
         if isinstance(evaluator, Mapping):
@@ -84,6 +87,22 @@ class TaskChecker:
                 why = [Problem(p.key, f"OSWorld's evaluator environment is broken: "
                                       f"{self.catalog_error}") for p in why]
         return problems + why
+
+    def _app_problems(self, task: Mapping[str, Any]) -> list[Problem]:
+        """An app of the task's ``related_apps`` that the desktops lack (``envs.apps``)."""
+        wanted = _related_apps(task)
+        if not wanted:
+            return []
+        if self._apps is None:
+            self._apps = desktop_apps(self.desktops)
+        return [Problem(f"app:{app}", f"related_apps: the desktops have no {app} (by "
+                                      f"{self._apps.source})")
+                for app in self._apps.lacks(wanted)]
+
+
+def _related_apps(task: Mapping[str, Any]) -> list[str]:
+    apps = task.get("related_apps")
+    return [a for a in apps if isinstance(a, str)] if isinstance(apps, list) else []
 
 
 def coverage(checked: Iterable[CheckedTask]) -> dict[str, Any]:

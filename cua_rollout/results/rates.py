@@ -106,6 +106,8 @@ class Rates:
     k_min, k_max: fewest and most scored rollouts of a task (k of avg@k / pass@k).
     mean_steps, mean_duration_s: over scored episodes that report them.
     mixed_episodes: episodes (any status) whose steps came from more than one model version.
+    evaluation_errors: failures scored 0 because the evaluation raised on what the agent
+      left (their ``evaluation_error``; counted apart from plain failures).
 
     ``to_json()`` is the RATES object of the tools' JSON output:
       {"episodes": int, "scored_episodes": int, "tasks": int, "scored_tasks": int,
@@ -114,7 +116,7 @@ class Rates:
        "mean_steps": float | null, "mean_duration_s": float | null,
        "status_counts": {"success": int, "failure": int, "max_steps": int,
                          "timeout": int, "infra_error": int, "cancelled": int},
-       "mixed_episodes": int}
+       "mixed_episodes": int, "evaluation_errors": int}
     Rates are fractions in [0, 1].
     """
 
@@ -132,6 +134,7 @@ class Rates:
     mean_duration_s: float | None
     status_counts: dict[str, int]
     mixed_episodes: int = 0
+    evaluation_errors: int = 0
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -149,6 +152,7 @@ class Rates:
             "mean_duration_s": self.mean_duration_s,
             "status_counts": dict(self.status_counts),
             "mixed_episodes": self.mixed_episodes,
+            "evaluation_errors": self.evaluation_errors,
         }
 
 
@@ -176,6 +180,7 @@ def compute_rates(episodes: Iterable[Episode]) -> Rates:
         mean_duration_s=_mean(durations),
         status_counts={s: counts.get(s, 0) for s in STATUSES},
         mixed_episodes=sum(e.mixed_versions for e in episodes),
+        evaluation_errors=sum(1 for e in episodes if e.record.get("evaluation_error")),
     )
 
 

@@ -197,6 +197,11 @@ class _Table:
         )
         for line in _version_lines(self.summary):
             console.print(line, markup=False, highlight=False)
+        raised = (self.summary.get("overall") or {}).get("evaluation_errors")
+        if raised:
+            console.print(f"failures whose evaluation raised on what the agent left (scored 0, "
+                          f"reason in results.jsonl's evaluation_error): {raised}",
+                          markup=False, highlight=False)
 
 
 def _version_lines(summary: dict[str, Any]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from cua_rollout.agents.base import Agent, Decision, make_agent
 from cua_rollout.config import DesktopsConfig
-from cua_rollout.core.errors import DesktopUnavailable
+from cua_rollout.core.errors import DesktopUnavailable, EvaluatorRaised, one_line
 from cua_rollout.core.layout import screenshot_name
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import DONE, FAIL, WAIT, Status
@@ -111,6 +111,12 @@ class DesktopEpisode(Episode):
         return False, shot
 
     async def _evaluate(self, env: DesktopEnv) -> float:
+        """The task's evaluator on the desktop. One that raises on what the agent left (no
+        output file, a file that does not parse: ``EvaluatorRaised``) scores 0 with the
+        reason kept: the agent's failure. OSWorld's harness lets such an exception end the
+        example without a result (rerun as unfinished by its next launch); a rerun meets
+        the same leftovers, so we score it where OSWorld's getters' FileNotFoundError
+        already scores 0 (docs/osworld.md)."""
         t0 = time.monotonic()
         try:
             reward = await asyncio.wait_for(
@@ -118,6 +124,9 @@ class DesktopEpisode(Episode):
                                           self.last_action,
                                           task_id=str(self.task.get("id", "")) or None),
                 self.cfg.runner.evaluation_timeout_s)
+        except EvaluatorRaised as exc:
+            self.evaluation_error = one_line(exc)
+            return 0.0
         except TimeoutError:
             raise EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
                                 f"{self.cfg.runner.evaluation_timeout_s:.0f}s",

@@ -191,6 +191,7 @@ class Episode(abc.ABC):
         self.deadline: asyncio.Timeout | None = None   # of setup and steps, while they run
         self.outage: str | None = None
         self.fatal = False
+        self.evaluation_error: str | None = None  # scored 0: the evaluation raised on it
         # What its desktop does now (cua_rollout/runtime/utilization.py).
         self.phase: str | None = None
 
@@ -490,6 +491,7 @@ class Episode(abc.ABC):
             runner=self.r.runner_id, node=self.r.node_id,
             outage=self.outage if status == Status.INFRA_ERROR else None,
             fatal=self.fatal and status == Status.INFRA_ERROR,
+            evaluation_error=self.evaluation_error if status != Status.INFRA_ERROR else None,
         )
 
     async def _finish(self, healthy: bool, status: str, error: str | None,

@@ -382,3 +382,34 @@ async def test_an_episode_spanning_a_reload_records_each_steps_version(make_worl
             record["model_versions"], record["mixed_versions"]) == (
         "ckpt-1", "ckpt-2", ["ckpt-1", "ckpt-2"], True)
     assert record["group_id"] == "d/t1/pass-0" and record["pass_index"] == 0
+
+
+async def test_an_evaluation_that_raises_on_what_the_agent_left_is_its_failure(make_world):
+    """The agent never wrote the file the metric reads, and the metric raises on its absence.
+    That is the agent's failure (reward 0, the reason kept, the desktop healthy), not an
+    infra_error retried elsewhere; a desktop that does not answer the evaluation stays an
+    infra_error."""
+    world = await make_world(replies=["Thought: done\nAction: finished()"] * 2)
+    missing = {**TASK, "evaluator": {"func": "is_in_list",
+                                     "result": {"type": "vm_file", "path": "/home/user/out.txt",
+                                                "dest": "out.txt"},
+                                     "expected": {"type": "rule", "rules": {"expected": "x"}}}}
+    result = await world.run(missing)
+    assert (result.status, result.reward, result.error) == ("failure", 0.0, None)
+    assert result.evaluation_error.startswith("EvaluatorRaised: metric is_in_list raised "
+                                              "TypeError")
+    record = json.loads((world.run_dir / "d/t1/0/episode.json").read_text())
+    assert record["evaluation_error"] == result.evaluation_error
+    await asyncio.sleep(0.05)
+    assert world.pool.stats()["quarantined"] == 0
+
+    def broken(command: Any, shell: bool) -> dict[str, Any]:
+        raise DesktopError("connection reset")
+
+    world.provider.desktops["fake-0"]._execute_func = broken
+    commanding = {**TASK, "evaluator": {
+        "func": "exact_match", "result": {"type": "vm_command_line", "command": ["true"]},
+        "expected": {"type": "rule", "rules": {"expected": ""}}}}
+    result = await world.run(commanding, rollout=1)
+    assert result.status == "infra_error" and result.evaluation_error is None
+    assert "connection reset" in (result.error or "")

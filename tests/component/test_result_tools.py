@@ -1166,3 +1166,21 @@ def test_public_surface_of_rollout_results():
     for script in ALL_SCRIPTS:
         module = importlib.import_module(f"cua_rollout.cli.{Path(script).stem}")
         assert "main" in module.__all__ and all(hasattr(module, n) for n in module.__all__)
+
+
+def test_failures_whose_evaluation_raised_are_counted_apart(tmp_path, capsys):
+    run = make_run(tmp_path, "raised", [Ep("os", "a", 0, "success", 1.0),
+                                        Ep("os", "b", 0, "failure", 0.0),
+                                        Ep("os", "c", 0, "failure", 0.0)], metrics=False)
+    path = run / "results.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    lines[2]["evaluation_error"] = "EvaluatorRaised: metric is_in_list raised TypeError: x"
+    path.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    summary = _json_of(capsys, show_result.main, [str(run), "--json"])
+    # Still a scored failure (in every rate), and counted apart.
+    assert summary["overall"]["scored_episodes"] == 3
+    assert summary["overall"]["evaluation_errors"] == 1
+    assert summary["domains"]["os"]["evaluation_errors"] == 1
+    assert show_result.main([str(run)]) == 0
+    assert ("failures whose evaluation raised on what the agent left (scored 0, reason in "
+            "results.jsonl's evaluation_error): 1") in capsys.readouterr().out

@@ -485,3 +485,25 @@ def test_a_remote_desktops_devtools_endpoint_is_on_its_host() -> None:
     assert RemoteDesktopEnv("http://user:pw@10.1.2.3:5000/", cfg).devtools_url == \
         "http://10.1.2.3:9333"
     assert RemoteDesktopEnv("http://[fd00::7]:5000", cfg).devtools_url == "http://[fd00::7]:9333"
+
+
+@pytest.mark.parametrize(("until", "reply", "met"), [
+    ({"returncode": 0}, {"returncode": 0, "output": "", "error": ""}, True),
+    ({"returncode": 0}, {"returncode": 1, "output": "", "error": ""}, False),
+    # OSWorld's SetupController: any one given field that matches ends the wait.
+    ({"returncode": 0, "stdout": "ready"}, {"returncode": 1, "output": "ready\n", "error": ""},
+     True),
+    ({"returncode": 0, "stdout": "ready"}, {"returncode": 0, "output": "", "error": ""}, True),
+    ({"stderr": "done"}, {"returncode": 1, "output": "done", "error": ""}, False),
+    ({"stderr": "done"}, {"returncode": 1, "output": "", "error": "all done"}, True),
+])
+def test_until_is_met_as_osworld_reads_it(until: dict, reply: dict, met: bool) -> None:
+    from cua_rollout.envs.setup_steps import until_met
+    assert until_met(reply, until) is met
+
+
+@pytest.mark.parametrize("name", ["/etc/passwd", "../out.txt", "a/../../b", "a//b"])
+def test_a_setup_output_name_must_stay_in_the_task_cache(cfg: DesktopsConfig, name: str
+                                                         ) -> None:
+    step = {"type": "execute", "parameters": {"command": ["ls"], "stdout": name}}
+    assert "stdout" in (step_problem(step, cfg) or "")

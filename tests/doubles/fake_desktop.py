@@ -70,6 +70,7 @@ class FakeDesktop:
         self.name = name
         self.cfg = cfg or DesktopsConfig(screen_width=size[0], screen_height=size[1])
         self.task_id: str | None = None
+        self.task_cache: dict[str, str] = {}
         self.files: dict[str, bytes] = dict(files or {})
         self.actions: list[str] = []
         self.calls: list[tuple[str, Any]] = []
@@ -85,6 +86,7 @@ class FakeDesktop:
 
     async def reset(self, task: Mapping[str, Any]) -> Screenshot:
         self.task_id = str(task.get("id", "")) or None
+        self.task_cache = {}
         self.calls.append(("reset", self.task_id))
         for index, step in enumerate(task.get("config") or []):
             await self.run_setup_step(step, index)

@@ -252,3 +252,22 @@ def test_the_build_saves_the_image_to_its_cache_and_loads_it_from_there(image, t
     assert second.stdout.split()[-1] == image
     assert "loading" in second.stderr and "building" not in second.stderr, second.stderr
     assert subprocess.run(["podman", "image", "exists", image], timeout=60).returncode == 0
+
+
+def test_the_image_declares_its_apps_and_the_pre_flight_reads_them(image):
+    """The demo image's label lists what its packages provide; a task needing an app it
+    lacks (vs_code, chrome) is not runnable on it, one needing its apps is."""
+    from cua_rollout.config import load_config
+    from cua_rollout.envs.apps import desktop_apps
+    from cua_rollout.evaluation.preflight import TaskChecker
+
+    cfg = load_config(None, ["desktops.provider=container", f"desktops.container.image={image}"])
+    apps = desktop_apps(cfg.desktops)
+    assert apps.apps == {"galculator", "mousepad", "xterm"}
+    assert image in apps.source
+    check = TaskChecker(cfg)
+    task = {"id": "t", "instruction": "x", "config": [],
+            "evaluator": {"func": "infeasible"}}
+    assert check({**task, "related_apps": ["os", "mousepad"]}) == []
+    problems = check({**task, "related_apps": ["vs_code", "os", "chrome"]})
+    assert [p.key for p in problems] == ["app:vs_code", "app:chrome"]

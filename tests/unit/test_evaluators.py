@@ -144,3 +144,58 @@ async def test_unknown_parts_raise_unsupported_evaluator(env, evaluator, fragmen
     with pytest.raises(UnsupportedEvaluator, match=fragment):
         await score(env, task(evaluator), None)
     assert env.commands == []  # nothing ran on the desktop before the error
+
+
+async def test_what_the_setup_saved_is_in_the_task_cache_as_osworld_keeps_it(env):
+    """OSWorld's ``execute`` step writes its stdout/stderr into the task's cache under the
+    names given; the ``cache_file`` getter then reads them (9 of OSWorld's tasks do)."""
+    outputs = iter([{"output": "not yet\n", "error": "", "returncode": 1},
+                    {"output": "3 files\n", "error": "warn: slow\n", "returncode": 0}])
+    env._execute_func = lambda command, shell: next(outputs)
+    await env.reset({"id": "t1", "config": [{"type": "execute", "parameters": {
+        "command": ["ls"], "stdout": "listing.txt", "stderr": "logs/err.txt",
+        "until": {"returncode": 0}}}]})
+    # The last answer's texts, as OSWorld's loop leaves them (it rewrites them each time).
+    assert env.task_cache == {"listing.txt": "3 files\n", "logs/err.txt": "warn: slow\n"}
+    (env.cache_dir / "t1").mkdir()
+    (env.cache_dir / "t1" / "expected.txt").write_text("3 files\n")
+    (env.cache_dir / "t1" / "expected-err.txt").write_text("warn: slow\n")
+    t = task({"func": ["compare_text_file", "compare_text_file"],
+              "result": [{"type": "cache_file", "path": "listing.txt"},
+                         {"type": "cache_file", "path": "logs/err.txt"}],
+              "expected": [{"type": "cache_file", "path": "expected.txt"},
+                           {"type": "cache_file", "path": "expected-err.txt"}]})
+    assert await score(env, t, "DONE") == 1.0
+    env.task_cache["listing.txt"] = "2 files\n"
+    assert await score(env, t, "DONE") == 0.0
+    await env.reset({"id": "t1"})  # the next episode's cache starts empty
+    with pytest.raises(UnsupportedEvaluator, match="nor saved by the task's setup"):
+        await score(env, task({"func": "compare_text_file",
+                               "result": {"type": "cache_file", "path": "listing.txt"},
+                               "expected": {"type": "cache_file", "path": "expected.txt"}}),
+                    "DONE")
+
+
+async def test_a_metric_that_raises_on_what_the_agent_left_is_evaluator_raised(env):
+    from cua_rollout.core.errors import EvaluatorRaised
+
+    t = task({"func": "is_in_list",
+              "result": {"type": "vm_file", "path": "/root/never-written.txt", "dest": "n.txt"},
+              "expected": {"type": "rule", "rules": {"expected": "x"}}})
+    with pytest.raises(EvaluatorRaised, match="metric is_in_list raised TypeError"):
+        await score(env, t, "DONE")
+
+
+def test_the_osworld_worker_tells_a_desktop_that_did_not_answer_from_a_metric_that_raised():
+    from cua_rollout.core.errors import DesktopError, EvaluatorRaised
+    from cua_rollout.evaluation.osworld_bridge import error_of_reply
+    from cua_rollout.evaluation.osworld_worker import is_transport
+
+    class ConnectTimeout(Exception):
+        pass
+
+    ConnectTimeout.__module__ = "requests.exceptions"
+    assert is_transport(ConnectionRefusedError()) and is_transport(ConnectTimeout())
+    assert not is_transport(ValueError("bad xlsx")) and not is_transport(KeyError("x"))
+    assert error_of_reply({"kind": "transport"}) is DesktopError
+    assert error_of_reply({"kind": "error"}) is EvaluatorRaised

@@ -17,7 +17,7 @@ def _generation(**kw):
 
 def test_a_reply_s_record_starts_with_osworld_s_fields_then_what_was_generated():
     line = StepRecord.of_reply(3, _generation(), token_ids=False, logprobs=False).line()
-    assert list(line) == OSWORLD + GENERATED
+    assert list(line) == [*OSWORLD, *GENERATED]
     assert (line["step_num"], line["response"], line["reward"], line["done"]) == (
         3, "Action: wait()", 0, False)
     assert line["model_version"] == "v3" and line["prompt_tokens"] == 120
@@ -39,13 +39,13 @@ def test_a_desktop_step_and_a_text_turn_keep_their_own_fields_in_one_order():
     desktop.parse_retries, desktop.constrained = 0, True
     desktop.images, desktop.image_spans = [{"file": "step_0.png", "tokens": 4}], None
     desktop.timing = {"step_s": 1.0}
-    assert list(desktop.line()) == (
-        OSWORLD + ["observation_file", "thought", "actions", "parse_retries", "constrained"]
-        + GENERATED + ["images", "image_spans", "timing"])
+    assert list(desktop.line()) == [
+        *OSWORLD, "observation_file", "thought", "actions", "parse_retries", "constrained",
+        *GENERATED, "images", "image_spans", "timing"]
     text = StepRecord.of_reply(1, _generation(), token_ids=False, logprobs=False)
     text.response_tool_calls, text.answer, text.timing = None, "42", {"step_s": 1.0}
-    assert list(text.line()) == (OSWORLD + ["response_tool_calls"] + GENERATED
-                                 + ["answer", "timing"])
+    assert list(text.line()) == [*OSWORLD, "response_tool_calls", *GENERATED, "answer",
+                                 "timing"]
     assert text.line()["response_tool_calls"] is None  # set to null is not unset
 
 

@@ -1,0 +1,59 @@
+"""Which apps a run's desktops have (cua_rollout.envs.apps) and the pre-flight's verdict on a
+task's related_apps: declared, found on this machine for local desktops, or unknown."""
+
+import stat
+from pathlib import Path
+
+from cua_rollout.config import load_config
+from cua_rollout.envs.apps import apps_of_packages, desktop_apps, main
+from cua_rollout.evaluation.preflight import TaskChecker
+
+TASK = {"id": "t", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}
+
+
+def _command(folder: Path, name: str) -> None:
+    path = folder / name
+    path.write_text("#!/bin/sh\n")
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+
+
+def test_local_desktops_have_the_apps_whose_commands_are_installed(tmp_path, monkeypatch):
+    _command(tmp_path, "localc")
+    _command(tmp_path, "mousepad")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    apps = desktop_apps(load_config(None, ["desktops.provider=local"]).desktops)
+    assert apps.lacks(["os", "libreoffice_calc", "mousepad", "vs_code", "chrome"]) == [
+        "vs_code", "chrome"]
+    assert "installed on this machine" in apps.source
+
+
+def test_declared_apps_win_and_unknown_desktops_have_every_app():
+    declared = load_config(None, ["desktops.provider=static",
+                                  'desktops.static.urls=["http://h:5000"]',
+                                  'desktops.apps=["chrome","vs_code"]']).desktops
+    assert desktop_apps(declared).lacks(["os", "vs_code", "gimp"]) == ["gimp"]
+    unknown = load_config(None, ["desktops.provider=static",
+                                 'desktops.static.urls=["http://h:5000"]']).desktops
+    assert desktop_apps(unknown).lacks(["vs_code", "gimp"]) == []
+
+
+def test_the_pre_flight_names_the_missing_app_and_where_the_list_came_from():
+    cfg = load_config(None, ['desktops.apps=["mousepad"]'])
+    problems = TaskChecker(cfg)({**TASK, "related_apps": ["os", "mousepad", "vs_code"]})
+    assert [(p.key, p.message) for p in problems] == [
+        ("app:vs_code", "related_apps: the desktops have no vs_code (by desktops.apps)")]
+    assert TaskChecker(cfg)({**TASK, "related_apps": "not a list"}) == []
+
+
+def test_the_image_label_comes_from_the_package_lists(tmp_path, capsys):
+    listing = tmp_path / "apt.txt"
+    listing.write_text("# a comment\nxvfb\nchromium  # the browser\nlibreoffice-calc\n\n")
+    assert apps_of_packages(listing.read_text().splitlines()) == ["chrome", "libreoffice_calc"]
+    assert main([str(listing)]) == 0
+    assert capsys.readouterr().out == "chrome,libreoffice_calc\n"
+    assert main([]) == 2
+
+
+def test_os_is_always_there(tmp_path, monkeypatch):
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert desktop_apps(load_config(None).desktops).lacks(["os"]) == []
