@@ -161,15 +161,17 @@ else
 fi
 
 # --- the desktop server, as the Containerfile installs it ---------------------------------------
-want="$(chroot "$rootfs" python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
+# Commands in the guest's tree see none of this host's settings (pip's, PYTHONDONTWRITEBYTECODE).
+in_root() { env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 chroot "$rootfs" "$@"; }
+want="$(in_root python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 have="$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
 [ "$want" = "$have" ] || die "the image's Python is $want and $py is $have: set PYTHON to a Python $want (the wheels are built for it)"
 log "wheels of $image_dir/requirements.txt"
 mkdir -p "$rootfs/tmp/wheels"
 "$py" -m pip wheel -q -w "$rootfs/tmp/wheels" -r "$image_dir/requirements.txt" 2>&1 \
-    | { grep -v -e 'is ignored: it is neither' || true; } >&2
+    | { grep -v -e 'is ignored: it is' || true; } >&2
 cp "$image_dir/requirements.txt" "$rootfs/tmp/requirements.txt"
-chroot "$rootfs" /bin/sh -euc '
+in_root /bin/sh -euc '
     python3 -m venv --system-site-packages /opt/venv
     /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /tmp/wheels -r /tmp/requirements.txt
     rm -rf /tmp/wheels /tmp/requirements.txt
@@ -179,7 +181,7 @@ mkdir -p "$rootfs/opt/cua/cua_rollout/desktop"
 tar -C cua_rollout/desktop --exclude=__pycache__ --exclude='*.pyc' -c . | tar -C "$rootfs/opt/cua/cua_rollout/desktop" -x
 # Compiled now: the server's user cannot write /opt/cua, and compiling at every boot under TCG
 # would cost seconds.
-chroot "$rootfs" /opt/venv/bin/python -m compileall -q /opt/cua >&2
+in_root /opt/venv/bin/python -m compileall -q /opt/cua >&2
 
 # --- the system: the server's unit, DHCP, a quick boot with nothing on the console to wait for --
 install -m 0644 "$vm_dir/cua-desktop.service" "$rootfs/etc/systemd/system/cua-desktop.service"
@@ -187,7 +189,7 @@ install -m 0644 -D "$vm_dir/20-dhcp.network" "$rootfs/etc/systemd/network/20-dhc
 mkdir -p "$rootfs/etc/systemd/journald.conf.d"
 # The journal in memory: an overlay is thrown away anyway, and TCG makes every write slow.
 printf '[Journal]\nStorage=volatile\n' > "$rootfs/etc/systemd/journald.conf.d/cua-vm.conf"
-chroot "$rootfs" systemctl -q enable cua-desktop.service systemd-networkd.service
+in_root systemctl -q enable cua-desktop.service systemd-networkd.service
 # No getty (nobody logs in; the serial console only shows the boot), no first-boot prompts
 # (an empty /etc/machine-id makes each VM its own, and would start systemd-firstboot's questions),
 # nothing waiting for the network, no periodic maintenance in a VM that lives minutes.
@@ -210,7 +212,7 @@ kver="${kernel#vmlinuz-}"
 esp_mib=64  # FAT32 needs >= 33 MiB of 512-byte clusters; the kernel and initramfs take ~15
 esp="$work/esp.img"
 truncate -s "${esp_mib}M" "$esp"
-mkfs.vfat -q -F 32 -n CUA-ESP -i "${inputs_hash:0:8}" "$esp" >/dev/null
+mkfs.vfat --invariant -F 32 -n CUA-ESP -i "${inputs_hash:0:8}" "$esp" >/dev/null
 mmd -i "$esp" ::/EFI ::/EFI/BOOT ::/loader ::/loader/entries
 # systemd-boot at the removable-media path, which OVMF boots with empty variables; no menu.
 mcopy -i "$esp" "$rootfs/usr/lib/systemd/boot/efi/systemd-bootx64.efi" ::/EFI/BOOT/BOOTX64.EFI
@@ -230,7 +232,7 @@ root_mib=$(( used_mib * 11 / 10 + free_mib ))
 root="$work/root.img"
 # Inode tables zeroed now (zeros are not stored in the qcow2), not by the guest's kernel at boot.
 mkfs.ext4 -q -F -L cua-root -U "$fs_uuid" -E lazy_itable_init=0,lazy_journal_init=0 \
-    -d "$rootfs" "$root" "${root_mib}M"
+    -d "$rootfs" "$root" "${root_mib}M" >/dev/null
 rm -rf "$rootfs"
 disk="$work/disk.raw"
 total_mib=$(( 1 + esp_mib + root_mib + 1 ))  # 1 MiB before (GPT, alignment) and after (backup GPT)

@@ -11,7 +11,7 @@ here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 debootstrap --variant=minbase --include="$packages" bookworm "$root" "$mirror"
 
 # The kernel's postinst made an initramfs of most modules; this one has the disk's alone.
-printf 'MODULES=list\nCOMPRESS=zstd\n' > "$root/etc/initramfs-tools/conf.d/cua-vm.conf"
+printf 'MODULES=list\nCOMPRESS=gzip\n' > "$root/etc/initramfs-tools/conf.d/cua-vm.conf"
 grep -v -E '^[[:space:]]*(#|$)' "$here/initramfs-modules" > "$root/etc/initramfs-tools/modules"
 chroot "$root" update-initramfs -u -k all
 
