@@ -82,7 +82,7 @@ if [ -n "$check" ]; then
         -drive "file=$dir/overlay.qcow2,format=qcow2,if=virtio" \
         -netdev "user,id=n0,restrict=on,hostfwd=tcp:127.0.0.1:$port-:5000" \
         -device virtio-net-pci,netdev=n0 \
-        -serial "file:$dir/serial.log" -display none -monitor none </dev/null &
+        -serial "file:$dir/serial.log" -display none -monitor none </dev/null 2>"$dir/qemu.err" &
     qemu_pid=$!
     log "booting $check under $accel (QEMU pid $qemu_pid, port $port)"
     deadline=$(( $(date +%s) + check_timeout_s ))
@@ -94,7 +94,7 @@ if [ -n "$check" ]; then
         [ -n "$kernel_s" ] || ! grep -a -q 'Linux version' "$dir/serial.log" 2>/dev/null || kernel_s="$(since)"
         [ -n "$unit_s" ] || ! grep -a -q 'Started .*cua-desktop' "$dir/serial.log" 2>/dev/null || unit_s="$(since)"
         if ! kill -0 "$qemu_pid" 2>/dev/null; then
-            tail -30 "$dir/serial.log" >&2 || true; die "QEMU ended before the server answered"
+            tail -30 "$dir/serial.log" "$dir/qemu.err" >&2 || true; die "QEMU ended before the server answered"
         fi
         if [ "$(date +%s)" -ge "$deadline" ]; then
             tail -30 "$dir/serial.log" >&2 || true; die "no screenshot from $url in $check_timeout_s s"
