@@ -147,6 +147,14 @@ py="${PYTHON:-.venv/bin/python}"
 [ -x "$py" ] || py=python3
 started=$(date +%s)
 mkdir -p "$cache"
+# One build at a time per cache (set-up and a test may both ask); the second finds the first's.
+exec 9>"$cache/.cua-desktop-vm.lock"
+flock 9
+if [ -f "$image" ]; then
+    log "built meanwhile: $image"
+    echo "$image"
+    exit 0
+fi
 work="$(mktemp -d "${TMPDIR:-/tmp}/cua-vm-image.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
 rootfs="$work/rootfs"
