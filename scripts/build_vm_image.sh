@@ -122,8 +122,9 @@ version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 hash_of() { sha256sum | cut -c1-12; }
 # The Debian base: its packages and the script that makes it.
 base_hash="$( { printf '%s\n' "$pkg_list"; cat "$vm_dir/rootfs.sh" "$vm_dir/initramfs-modules"; } | hash_of)"
-# The image: the base, this script, deploy/vm-image/, the Python requirements, cua_rollout/desktop/.
-inputs_hash="$( { printf '%s\n' "$base_hash"; cat "$0" "$image_dir/requirements.txt";
+# The image: the base, this script, deploy/vm-image/, the Python requirements and how they are
+# installed, cua_rollout/desktop/.
+inputs_hash="$( { printf '%s\n' "$base_hash"; cat "$0" "$image_dir/requirements.txt" "$image_dir/install-server.sh";
     find "$vm_dir" cua_rollout/desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 \
         | LC_ALL=C sort -z | xargs -0 sha256sum; } | hash_of)"
 name=cua-desktop-vm
@@ -142,7 +143,7 @@ fi
 [ "$(id -u)" = 0 ] || die "building the image needs root (debootstrap, chroot, files owned by the guest's users)"
 need debootstrap debootstrap; need mkfs.ext4 e2fsprogs; need mkfs.vfat dosfstools
 need mcopy mtools; need sfdisk fdisk; need qemu-img qemu-utils; need zstd zstd
-mke2fs -V 2>&1 | grep -q -E 'mke2fs 1\.(4[3-9]|[5-9])' || die "mke2fs >= 1.43 is needed (mkfs.ext4 -d)"
+[[ "$(mke2fs -V 2>&1)" =~ mke2fs\ 1\.(4[3-9]|[5-9]) ]] || die "mke2fs >= 1.43 is needed (mkfs.ext4 -d)"
 py="${PYTHON:-.venv/bin/python}"
 [ -x "$py" ] || py=python3
 started=$(date +%s)
@@ -173,7 +174,7 @@ else
     log "saved the base to $base_archive ($(( $(stat -c %s "$base_archive") / 1024 / 1024 )) MB)"
 fi
 
-# --- the desktop server, as the Containerfile installs it ---------------------------------------
+# --- the desktop server, installed as in the container image --------------------------------------
 # Commands in the guest's tree see none of this host's settings (pip's, PYTHONDONTWRITEBYTECODE).
 in_root() { env -i PATH=/usr/sbin:/usr/bin:/sbin:/bin HOME=/root LANG=C.UTF-8 chroot "$rootfs" "$@"; }
 want="$(in_root python3 -c 'import sys; print("%d.%d" % sys.version_info[:2])')"
@@ -183,12 +184,9 @@ log "wheels of $image_dir/requirements.txt"
 mkdir -p "$rootfs/tmp/wheels"
 "$py" -m pip wheel -q -w "$rootfs/tmp/wheels" -r "$image_dir/requirements.txt" 2>&1 \
     | { grep -v -e 'is ignored: it is' || true; } >&2
-cp "$image_dir/requirements.txt" "$rootfs/tmp/requirements.txt"
-in_root /bin/sh -euc '
-    python3 -m venv --system-site-packages /opt/venv
-    /opt/venv/bin/pip install -q --no-cache-dir --no-index --find-links /tmp/wheels -r /tmp/requirements.txt
-    rm -rf /tmp/wheels /tmp/requirements.txt
-    useradd --create-home --uid 1000 --shell /bin/bash user' >&2
+cp "$image_dir/requirements.txt" "$image_dir/install-server.sh" "$rootfs/tmp/"
+in_root sh /tmp/install-server.sh /tmp/wheels /tmp/requirements.txt 1000 >&2
+rm -rf "$rootfs/tmp/wheels" "$rootfs/tmp/requirements.txt" "$rootfs/tmp/install-server.sh"
 # cua_rollout/desktop alone: cua_rollout is a namespace package here, as in the container image.
 mkdir -p "$rootfs/opt/cua/cua_rollout/desktop"
 tar -C cua_rollout/desktop --exclude=__pycache__ --exclude='*.pyc' -c . | tar -C "$rootfs/opt/cua/cua_rollout/desktop" -x
