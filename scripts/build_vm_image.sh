@@ -99,7 +99,10 @@ if [ -n "$check" ]; then
         if [ "$(date +%s)" -ge "$deadline" ]; then
             tail -30 "$dir/serial.log" >&2 || true; die "no screenshot from $url in $check_timeout_s s"
         fi
-        code="$(curl -s -m 30 -o "$dir/shot.png" -w '%{http_code}' "$url" || true)"
+        # A short wait on a cheap path first: until the guest has its address, QEMU's user
+        # network holds a forwarded connection open rather than refusing it.
+        code="$(curl -s -m 2 -o /dev/null -w '%{http_code}' "${url%/screenshot}/platform" || true)"
+        [ "$code" = 200 ] && code="$(curl -s -m 60 -o "$dir/shot.png" -w '%{http_code}' "$url" || true)"
         if [ "$code" = 200 ] && [ "$(head -c 8 "$dir/shot.png" | od -An -tx1 | tr -d ' \n')" = 89504e470d0a1a0a ]; then
             break
         fi
