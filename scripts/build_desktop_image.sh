@@ -49,13 +49,13 @@ packages=("$image_dir/apt-base.txt")
 pkg_list="$(cat "${packages[@]}" | grep -v -E '^[[:space:]]*(#|$)' | sort -u | paste -sd, -)"
 version="$(sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)"
 
-# The inputs: the Debian packages, the Python requirements, cua_rollout/desktop/ itself and
-# this script.
+# The inputs: the Debian packages, the Python requirements, the Containerfile and what it runs,
+# cua_rollout/desktop/ itself and this script.
 hash_of() { sha256sum | cut -c1-12; }
 # The image's Python: Debian's (the venv sees its python3-pyatspi; pyautogui needs tkinter).
 image_python="python3,python3-venv,python3-tk,ca-certificates"
 base_hash="$(printf '%s\n' "$image_python" "$pkg_list" "$base_from" | hash_of)"
-inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt" cua_rollout/envs/apps.py;
+inputs_hash="$( { printf '%s\n' "$base_hash" "$profile"; cat "$0" "$image_dir/requirements.txt" "$image_dir/Containerfile" "$image_dir/install-server.sh" cua_rollout/envs/apps.py;
     find cua_rollout/desktop -type f ! -path '*/__pycache__/*' ! -name '*.pyc' -print0 | LC_ALL=C sort -z \
         | xargs -0 sha256sum; } | hash_of)"
 base_tag="localhost/cua-desktop-base:bookworm-$base_hash"
@@ -142,7 +142,7 @@ mkdir -p "$work/ctx/wheels"
 log "wheels of $image_dir/requirements.txt"
 "$py" -m pip wheel -q -w "$work/ctx/wheels" -r "$image_dir/requirements.txt" 2>&1 \
     | { grep -v -e 'is ignored: it is neither' || true; } >&2
-cp "$image_dir/requirements.txt" "$work/ctx/"
+cp "$image_dir/requirements.txt" "$image_dir/install-server.sh" "$work/ctx/"
 # cua_rollout/desktop alone, without cua_rollout/__init__.py: in the image cua_rollout is a
 # namespace package holding the desktop server and nothing of the controller.
 mkdir -p "$work/ctx/cua_rollout/desktop"
