@@ -9,8 +9,9 @@
 #                                        #   the osworld desktop apps (LibreOffice, GIMP, VLC ...)
 #   bash scripts/setup_env.sh --containers  # + podman (runc) and the desktop image it runs
 #                                        #   (desktops.provider: container); --dev includes it
-#   bash scripts/setup_env.sh --vm       # + QEMU, qemu-img, OVMF (VM desktops, cua_rollout/vm) and
-#                                        #   busybox-static, cpio (the tests' tiny guest); --dev includes it
+#   bash scripts/setup_env.sh --vm       # + QEMU, qemu-img, OVMF (VM desktops, cua_rollout/vm), the VM
+#                                        #   test image (scripts/build_vm_image.sh) and busybox-static,
+#                                        #   cpio (the tests' tiny guest); --dev includes it
 #   bash scripts/setup_env.sh --vlm      # + serving vision-language models on vLLM's CPU build
 #                                        #   (torchvision isolated in .venv/vlm-cpu-site) and the
 #                                        #   tiny random VLM of configs/demo_vlm.yaml (.models/);
@@ -76,6 +77,8 @@ apt_packages+=(bubblewrap libseccomp2)
 # VM desktops (cua_rollout/vm): QEMU 7.2, qemu-img for the per-VM overlays, OVMF for UEFI
 # images such as OSWorld's; busybox-static and cpio build the tests' tiny guest's initramfs.
 [ "$vm" = 1 ] && apt_packages+=(qemu-system-x86 qemu-utils ovmf busybox-static cpio)
+# ... and the VM test image's build (scripts/build_vm_image.sh): a GPT disk without loop mounts.
+[ "$vm" = 1 ] && apt_packages+=(debootstrap mtools dosfstools fdisk zstd curl)
 if [ "$apt" = 1 ]; then
     missing=()
     for p in "${apt_packages[@]}"; do
@@ -165,6 +168,16 @@ if [ "$containers" = 1 ]; then
         PYTHON="$py" bash scripts/build_desktop_image.sh --profile demo >/dev/null
     else
         log "skipping the desktop image: its debootstrap base needs root (run scripts/build_desktop_image.sh as root)"
+    fi
+fi
+
+# --- the VM test image (desktops.provider: vm, configs/demo_vm.yaml) ---------------------------
+# Rebuilt only when its inputs change; cached like the desktop image (CUA_IMAGE_CACHE).
+if [ "$vm" = 1 ]; then
+    if [ "$(id -u)" = 0 ]; then
+        PYTHON="$py" bash scripts/build_vm_image.sh >/dev/null
+    else
+        log "skipping the VM test image: its debootstrap base needs root (run scripts/build_vm_image.sh as root)"
     fi
 fi
 
