@@ -43,7 +43,7 @@ while [ $# -gt 0 ]; do
         --osworld) osworld=1 ;;
         --vllm) vllm="${2:?--vllm needs auto, cpu, gpu or none}"; shift ;;
         --no-apt) apt=0 ;;
-        -h|--help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,22p' "$0"; exit 0 ;;
         *) echo "setup_env.sh: unknown option '$1' (see --help)" >&2; exit 2 ;;
     esac
     shift
