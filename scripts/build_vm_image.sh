@@ -137,10 +137,12 @@ image="$cache/$tag.qcow2"
 base_archive="$cache/cua-vm-base-bookworm-$base_hash.tar.zst"
 if [ "$print_tag" = 1 ]; then echo "$tag"; exit 0; fi
 if [ "$print_path" = 1 ]; then echo "$image"; exit 0; fi
+# The newest image is also $cache/cua-desktop-vm.qcow2 (a symlink): what configs/demo_vm.yaml
+# names. The ready states of VMs key on the image's real path, size and mtime, not the link.
+finish() { ln -sfn "$(basename "$image")" "$cache/$name.qcow2"; echo "$image"; exit 0; }
 if [ -f "$image" ]; then
     log "up to date: $image"
-    echo "$image"
-    exit 0
+    finish
 fi
 
 [ "$(id -u)" = 0 ] || die "building the image needs root (debootstrap, chroot, files owned by the guest's users)"
@@ -156,8 +158,7 @@ exec 9>"$cache/.cua-desktop-vm.lock"
 flock 9
 if [ -f "$image" ]; then
     log "built meanwhile: $image"
-    echo "$image"
-    exit 0
+    finish
 fi
 work="$(mktemp -d "${TMPDIR:-/tmp}/cua-vm-image.XXXXXX")"
 trap 'rm -rf "$work"' EXIT
@@ -267,4 +268,4 @@ qemu-img convert -c -o compression_type=zstd -O qcow2 "$disk" "$image.part"
 chmod 0444 "$image.part"  # the base of every VM's overlay: nothing may write it
 mv "$image.part" "$image"
 log "built $image: $(( $(stat -c %s "$image") / 1024 / 1024 )) MB (virtual $total_mib MiB) in $(( $(date +%s) - started )) s"
-echo "$image"
+finish
