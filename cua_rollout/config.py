@@ -510,6 +510,20 @@ class VMDesktopsConfig(_Section):
     long; then its state is saved."""
     start_timeout_s: PositiveFloat = 120.0
     """Deadline of a VM's start or reset from the ready state until its server answers."""
+    kernel: Path | None = None
+    """Boot this kernel directly (QEMU ``-kernel``) instead of the image's bootloader: for
+    images without one, such as the tests' tiny guest. Not for OSWorld's image, which boots
+    its own. Null: the image boots itself."""
+    initrd: Path | None = None
+    """The initramfs for ``kernel`` (QEMU ``-initrd``)."""
+    append: str = ""
+    """The kernel command line for ``kernel`` (QEMU ``-append``)."""
+
+    @model_validator(mode="after")
+    def _direct_boot_complete(self) -> VMDesktopsConfig:
+        if (self.initrd is not None or self.append) and self.kernel is None:
+            raise ValueError("desktops.vm.initrd and desktops.vm.append need desktops.vm.kernel")
+        return self
 
 
 class StaticDesktopsConfig(_Section):

@@ -117,6 +117,7 @@ class ReadyStateCache:
         key, across processes; the others wait for its result."""
         if (state := self.load(spec)) is not None:
             return state
+        rejection = self.last_rejection  # the next load finds the broken state gone
         self.root.mkdir(parents=True, exist_ok=True)
         key = self.key(spec)
         with open(self.root / f".{key}.lock", "w") as lock:
@@ -124,7 +125,7 @@ class ReadyStateCache:
             try:
                 if (state := self.load(spec)) is not None:  # built while we waited
                     return state
-                rejection = self.last_rejection
+                rejection = self.last_rejection or rejection
                 staging = self.root / f".{key}.build-{os.getpid()}-{uuid.uuid4().hex[:6]}"
                 staging.mkdir()
                 try:

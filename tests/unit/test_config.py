@@ -128,6 +128,12 @@ desktops:
                token_secret_key: tok, service_per_pod: true, kubeconfig: /k/config,
                context: lab, api_timeout_s: 10, api_outage_s: 60, heartbeat_interval_s: 10,
                heartbeat_timeout_s: 60}
+  vm: {image: /vm/Ubuntu.qcow2, image_format: qcow2, firmware: uefi,
+       ovmf_code: /ovmf/CODE.fd, ovmf_vars: /ovmf/VARS.fd, memory_mb: 2048, cpus: 2, accel: tcg,
+       server_port: 5001, chromium_port: 9223, vlc_port: 8081, bind_host: 0.0.0.0,
+       state_dir: /tmp/vms, ready_state_dir: /data/vm-states, boot_timeout_s: 600,
+       ready_still_s: 2, start_timeout_s: 60, kernel: /vm/vmlinuz, initrd: /vm/initrd,
+       append: console=ttyS0}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff: {initial_s: 2,
               max_s: 10}, outage_give_up_s: 600, batch_cutoff: 0.98, batch_grace_s: 30}
