@@ -23,6 +23,7 @@ import os
 import shutil
 import signal
 import socket
+import struct
 import subprocess
 import time
 import uuid
@@ -330,7 +331,7 @@ class Machine:
         if self._qmp is None:
             raise VMError(f"{self.name}: not running")
         try:
-            self._qmp.send_fd_scm(fd)
+            _send_fd(self._qmp, fd)
         except (QMPError, OSError) as exc:
             raise VMError(f"{self.name}: passing a file to QEMU failed: {exc}") from exc
         await self._execute("getfd", {"fdname": fdname})
@@ -464,6 +465,21 @@ def _wait_gone(pid: int, start: object, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while _same_process(pid, start) and time.monotonic() < deadline:
         time.sleep(POLL_S)
+
+
+def _send_fd(qmp: QMPClient, fd: int) -> None:
+    """Pass ``fd`` to QEMU over the QMP connection (SCM_RIGHTS on one space, which QMP's
+    parser skips), as ``QMPClient.send_fd_scm`` does, but through a duplicate of the socket's
+    descriptor: under uvloop (Ray's actors) the transport's socket is a stand-in without the
+    ``_sock`` that ``send_fd_scm`` reaches into."""
+    writer = qmp._writer  # the connection's transport: the client has no public accessor
+    if writer is None:
+        raise QMPError("not connected")
+    transport_socket = writer.transport.get_extra_info("socket")
+    with socket.socket(fileno=os.dup(transport_socket.fileno())) as sock:
+        if sock.family != socket.AF_UNIX:
+            raise QMPError("sending a file descriptor needs a UNIX socket")
+        sock.sendmsg([b" "], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, struct.pack("@i", fd))])
 
 
 def _free_port() -> int:

@@ -400,3 +400,21 @@ async def test_the_launcher_serves_resets_and_stops_one_vm(spec, state, workdir,
             await launcher.wait()
     assert list(root.iterdir()) == []
     assert not Path(f"/proc/{reset['pid']}").exists() or _is_zombie(reset["pid"])
+
+
+def test_save_and_restore_work_under_uvloop(spec, state, workdir):
+    """Ray runs actors (the desktop pool among them) on uvloop, whose transports hide the
+    socket QMP passes state files over: a restore and a save must work there too."""
+    import uvloop
+
+    async def round_trip() -> None:
+        machine = Machine(spec, workdir / "vms")
+        try:
+            await machine.start_from(state)
+            assert (await _get(machine, "/hello")).status_code == 200
+            await machine.save_state(workdir / "uvloop-state")
+            assert (workdir / "uvloop-state" / "ram").stat().st_size > 0
+        finally:
+            await machine.stop()
+
+    uvloop.run(round_trip())
