@@ -200,6 +200,7 @@ in_root /opt/venv/bin/python -m compileall -q /opt/cua >&2
 
 # --- the system: the server's unit, DHCP, a quick boot with nothing on the console to wait for --
 install -m 0644 "$vm_dir/cua-desktop.service" "$rootfs/etc/systemd/system/cua-desktop.service"
+install -m 0755 "$vm_dir/cua-screen-size" "$rootfs/usr/local/sbin/cua-screen-size"
 install -m 0644 -D "$vm_dir/20-dhcp.network" "$rootfs/etc/systemd/network/20-dhcp.network"
 mkdir -p "$rootfs/etc/systemd/journald.conf.d"
 # The journal in memory: an overlay is thrown away anyway, and TCG makes every write slow.

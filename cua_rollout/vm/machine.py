@@ -247,6 +247,9 @@ class Machine:
             # romfile= (none): no iPXE option ROM, the VM never boots from the network.
             "-device", "virtio-net-pci,netdev=net0,romfile=",
             "-device", f"VGA,edid=on,xres={spec.screen_width},yres={spec.screen_height}",
+            # The screen size for the guest's desktop (the test image's unit reads it; an
+            # image that does not look keeps its own).
+            "-fw_cfg", f"name=opt/cua/screen,string={spec.screen_width}x{spec.screen_height}",
         ]
         cpu = spec.cpu_model or ("host" if spec.accel == "kvm" else None)
         if cpu:
