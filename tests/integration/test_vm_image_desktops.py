@@ -1,0 +1,142 @@
+"""Desktops as QEMU VMs of the VM test image (``scripts/build_vm_image.sh``), through the pool
+and the runner as a run uses them: the conformance checker on a VM desktop, what an episode
+leaves gone after the pool's restore and its reset check (``verify``, on: the image has
+python3, wmctrl, a HOME), and demo tasks end to end with ``configs/demo_vm.yaml``. Every QEMU
+started is gone after. The ready state is the user's (``~/.cache/cua-rollout/vm-states``):
+built once by the first test that needs it, as the demo builds it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psutil
+import pytest
+
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.checker import check_desktop_env
+from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.runtime.pool import DesktopPool
+from tests.support import REPO_ROOT, assert_every_episode_succeeded, unavailable
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
+
+BUILD = REPO_ROOT / "scripts" / "build_vm_image.sh"
+SCREEN = (1280, 720)
+RUN_TIMEOUT_S = 1200
+
+
+@pytest.fixture(scope="module")
+def image() -> Path:
+    for tool in ("qemu-system-x86_64", "qemu-img"):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} is not installed (scripts/setup_env.sh --vm)")
+    done = subprocess.run(["bash", str(BUILD)], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=3600, env={**os.environ, "PYTHON": sys.executable},
+                          check=False)
+    if done.returncode != 0 and os.geteuid() != 0:
+        unavailable("the VM image is not built and building it needs root")
+    assert done.returncode == 0, done.stderr[-3000:]
+    return Path(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.fixture
+def state_dir() -> Iterator[Path]:
+    # Short: each VM's QMP socket lives under it (a UNIX socket path holds 107 bytes).
+    path = Path(tempfile.mkdtemp(prefix="vmi-", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def _qemus() -> list[int]:
+    return [p.pid for p in psutil.Process().children(recursive=True)
+            if p.name().startswith("qemu-system")]
+
+
+def _cfg(image: Path, state_dir: Path, **kw) -> DesktopsConfig:
+    base = dict(provider="vm", count=1, warm_spares=0, screen_width=SCREEN[0],
+                screen_height=SCREEN[1], lease_timeout_s=300, reset_timeout_s=120,
+                vm={"image": image, "memory_mb": 1024, "cpus": 1, "state_dir": state_dir})
+    base.update(kw)
+    return DesktopsConfig(**base)
+
+
+async def test_a_vm_desktop_conforms_and_a_restore_leaves_nothing_of_an_episode(image,
+                                                                              state_dir):
+    cfg = _cfg(image, state_dir)
+    assert cfg.verify.enabled  # the reset check runs after each restore
+    pool = DesktopPool(cfg)
+    await pool.start()
+    resets: list[float] = []
+    try:
+        lease = await pool.lease("conformance")
+        env = RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
+        seen = await check_desktop_env(env, screen_size=SCREEN)
+        assert seen["step"].returncode == 0  # pyautogui ran on the VM's display
+        # What an episode leaves: a file in HOME, an app on the screen.
+        env = RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
+        try:
+            await env.execute(["bash", "-c", "echo x > ~/Desktop/left.txt; (xterm &); sleep 3"])
+            assert await env.get_file("/home/user/Desktop/left.txt") == b"x\n"
+        finally:
+            await env.close()
+        for round_ in range(3):
+            t0 = time.monotonic()
+            await pool.release(lease.lease_id)
+            lease = await pool.lease(f"after-{round_}")
+            resets.append(time.monotonic() - t0)
+        stats = pool.stats()
+        # The restore passed the reset check every time (nothing quarantined or replaced).
+        assert (stats["verify_failures"], stats["quarantined"], stats["replaced"]) == (0, 0, 0)
+        env = RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
+        try:
+            assert await env.get_file("/home/user/Desktop/left.txt") is None
+            assert (await env.execute(["pgrep", "-x", "xterm"])).get("returncode") == 1
+        finally:
+            await env.close()
+        await pool.release(lease.lease_id)
+    finally:
+        await pool.stop()
+    assert _qemus() == [], "QEMU processes left after the pool stopped"
+    assert not any(state_dir.iterdir()), "VM directories left after the pool stopped"
+    print(f"\nvm release + restore + verify + lease s: {[round(r, 2) for r in resets]} "
+          f"(median {statistics.median(resets):.2f})")
+
+
+def test_demo_tasks_end_to_end_on_vm_desktops(image, state_dir, tmp_path):
+    """run.py with configs/demo_vm.yaml on a few demo tasks (one of each app and an
+    infeasible one): every reference solution succeeds on VM desktops, and no VM is left."""
+    chosen = {"terminal": ["terminal-hello-file", "terminal-wifi-infeasible"],
+              "calculator": ["calc-add"], "editor": ["editor-uppercase"]}
+    suite = tmp_path / "suite"
+    suite.mkdir()
+    (suite / "test_all.json").write_text(json.dumps(chosen))
+    (suite / "examples").symlink_to(REPO_ROOT / "tasks" / "demo" / "examples")
+    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
+            str(REPO_ROOT / "configs" / "demo_vm.yaml")]
+    for s in (f"run.output_dir={tmp_path / 'results'}", f"tasks.source={suite / 'test_all.json'}",
+              f"desktops.vm.image={image}", f"desktops.vm.state_dir={state_dir}",
+              "ray.include_dashboard=false"):
+        args += ["--set", s]
+    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 0, err[-4000:]
+    tasks = [t for ids in chosen.values() for t in ids]
+    results = assert_every_episode_succeeded(tmp_path / "results" / "demo_vm", tasks,
+                                             rollouts=1)
+    assert all(r["desktop"].startswith("vm-") for r in results)
+    assert not any(state_dir.iterdir()), "VM directories left after the run"
