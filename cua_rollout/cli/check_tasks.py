@@ -27,6 +27,7 @@ from rich.table import Table
 from cua_rollout.config import load_config
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.evaluation.preflight import CheckedTask, TaskChecker, coverage
+from cua_rollout.runtime.launch import absolute_paths
 from cua_rollout.runtime.loader import load_tasks
 
 __all__ = ["main"]
@@ -51,6 +52,9 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         cfg = load_config(args.config, args.overrides)
+        # As run.py sees them: the task set's own folder is one tasks may upload files from.
+        cfg = absolute_paths(cfg.model_copy(update={"tasks": cfg.tasks.model_copy(
+            update={"source": args.tasks, "examples_dir": args.examples_dir})}))
         tasks, unreadable = load_tasks(args.tasks, args.examples_dir)
     except ConfigError as exc:
         print(f"check_tasks.py: error: {exc}", file=sys.stderr)

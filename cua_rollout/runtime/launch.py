@@ -250,6 +250,10 @@ def absolute_paths(cfg: Config) -> Config:
         "task_file_roots": list(dict.fromkeys(task_roots)),
         "local": cfg.desktops.local.model_copy(
             update={"state_dir": Path(cfg.desktops.local.state_dir).resolve()}),
+        "vm": cfg.desktops.vm.model_copy(update={
+            "state_dir": Path(cfg.desktops.vm.state_dir).resolve(),
+            "image": _resolved(_home(cfg.desktops.vm.image)),
+            "ready_state_dir": _resolved(_home(cfg.desktops.vm.ready_state_dir))}),
         "accounts_dir": _resolved(cfg.desktops.accounts_dir),
     })
     evaluation = cfg.evaluation.model_copy(update={
@@ -266,6 +270,10 @@ def absolute_paths(cfg: Config) -> Config:
     })
     return cfg.model_copy(update={"desktops": desktops, "evaluation": evaluation,
                                   "text": text})
+
+
+def _home(path: Path | None) -> Path | None:
+    return None if path is None else Path(path).expanduser()
 
 
 def _resolved(path: Path | None) -> Path | None:

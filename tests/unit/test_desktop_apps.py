@@ -57,3 +57,21 @@ def test_the_image_label_comes_from_the_package_lists(tmp_path, capsys):
 def test_os_is_always_there(tmp_path, monkeypatch):
     monkeypatch.setenv("PATH", str(tmp_path))
     assert desktop_apps(load_config(None).desktops).lacks(["os"]) == []
+
+
+def test_check_tasks_reads_a_task_sets_files_as_run_py_does(tmp_path, capsys):
+    """A task set's own folder is one its tasks may upload files from (run.py adds it), so
+    check_tasks.py does not call such a task unrunnable."""
+    import json
+
+    from cua_rollout.cli.check_tasks import main as check_tasks
+
+    (tmp_path / "examples" / "os").mkdir(parents=True)
+    (tmp_path / "files").mkdir()
+    (tmp_path / "files" / "in.txt").write_text("x\n")
+    task = {**TASK, "id": "up", "config": [{"type": "upload_file", "parameters": {"files": [
+        {"local_path": str(tmp_path / "files" / "in.txt"), "path": "/home/user/in.txt"}]}}]}
+    (tmp_path / "examples" / "os" / "up.json").write_text(json.dumps(task))
+    (tmp_path / "test_all.json").write_text(json.dumps({"os": ["up"]}))
+    assert check_tasks([str(tmp_path / "test_all.json"), "--json"]) == 0, capsys.readouterr()
+    assert json.loads(capsys.readouterr().out)["runnable"] == 1
