@@ -282,6 +282,32 @@ async def test_a_killed_qemu_is_unhealthy_quarantined_and_replaced(guest, files,
     assert list(state_dir.iterdir()) == []
 
 
+async def test_a_guest_that_stops_while_qemu_answers_is_replaced(guest, files, state_dir,
+                                                                caplog):
+    """A hung guest: QEMU and its QMP answer, the guest runs nothing (stopped through QMP, as
+    a guest stuck in its kernel looks from outside). Its server is silent: unhealthy, and the
+    pool replaces it."""
+    cfg = _cfg(guest, files, state_dir, count=1, health_interval_s=1)
+    pool = DesktopPool(cfg)
+    await pool.start()
+    provider = pool.provider
+    try:
+        (desktop,) = pool._desktops.values()
+        machine = provider.machine(desktop.id)
+        await machine._execute("stop")  # QMP answers; the guest is frozen
+        assert machine.alive()
+        with caplog.at_level(logging.WARNING, logger="cua_rollout.envs.providers.vm"):
+            assert await provider.health(desktop) is False
+        await _until(lambda: desktop.id not in pool._desktops and len(pool._desktops) == 1
+                     and pool.counters["replaced"] == 1, "the replacement of the hung desktop")
+        lease = await pool.lease("after")
+        assert await provider.health(pool._desktops[lease.desktop_id])
+        await pool.release(lease.lease_id)
+    finally:
+        await pool.stop()
+    assert list(state_dir.iterdir()) == []
+
+
 async def test_a_corrupt_ready_state_is_rebuilt_never_restored(guest, files, state_dir, tmp,
                                                                caplog):
     states = tmp / "states"
