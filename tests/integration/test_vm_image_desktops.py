@@ -1,16 +1,14 @@
-"""Desktops as QEMU VMs of the VM test image (``scripts/build_vm_image.sh``), through the pool
-and the runner as a run uses them: the conformance checker on a VM desktop, what an episode
-leaves gone after the pool's restore and its reset check (``verify``, on: the image has
-python3, wmctrl, a HOME), and demo tasks end to end with ``configs/demo_vm.yaml``. Every QEMU
-started is gone after. The ready state is the user's (``~/.cache/cua-rollout/vm-states``):
-built once by the first test that needs it, as the demo builds it."""
+"""Desktops as QEMU VMs of the VM test image (``scripts/build_vm_image.sh``) through the pool,
+as a run uses them: the conformance checker on a VM desktop, and what an episode leaves gone
+after the pool's restore and its reset check (``verify``, on: the image has python3, wmctrl,
+a HOME). Every QEMU started is gone after. The ready state is the user's
+(``~/.cache/cua-rollout/vm-states``): built once, as ``configs/demo_vm.yaml``'s run builds it
+(the demo on VM desktops is run as users run it, not here: under TCG it takes ~8 minutes)."""
 
 from __future__ import annotations
 
-import json
 import os
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -26,13 +24,12 @@ from cua_rollout.config import DesktopsConfig
 from cua_rollout.envs.checker import check_desktop_env
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.runtime.pool import DesktopPool
-from tests.support import REPO_ROOT, assert_every_episode_succeeded, unavailable
+from tests.support import REPO_ROOT, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
 BUILD = REPO_ROOT / "scripts" / "build_vm_image.sh"
 SCREEN = (1280, 720)
-RUN_TIMEOUT_S = 1200
 
 
 @pytest.fixture(scope="module")
@@ -111,32 +108,3 @@ async def test_a_vm_desktop_conforms_and_a_restore_leaves_nothing_of_an_episode(
     print(f"\nvm release + restore + verify + lease s: {[round(r, 2) for r in resets]} "
           f"(median {statistics.median(resets):.2f})")
 
-
-def test_demo_tasks_end_to_end_on_vm_desktops(image, state_dir, tmp_path):
-    """run.py with configs/demo_vm.yaml on a few demo tasks (one of each app and an
-    infeasible one): every reference solution succeeds on VM desktops, and no VM is left."""
-    chosen = {"terminal": ["terminal-hello-file", "terminal-wifi-infeasible"],
-              "calculator": ["calc-add"], "editor": ["editor-uppercase"]}
-    suite = tmp_path / "suite"
-    suite.mkdir()
-    (suite / "test_all.json").write_text(json.dumps(chosen))
-    (suite / "examples").symlink_to(REPO_ROOT / "tasks" / "demo" / "examples")
-    args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
-            str(REPO_ROOT / "configs" / "demo_vm.yaml")]
-    for s in (f"run.output_dir={tmp_path / 'results'}", f"tasks.source={suite / 'test_all.json'}",
-              f"desktops.vm.image={image}", f"desktops.vm.state_dir={state_dir}",
-              "ray.include_dashboard=false"):
-        args += ["--set", s]
-    proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
-    try:
-        _, err = proc.communicate(timeout=RUN_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGINT)
-        _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 0, err[-4000:]
-    tasks = [t for ids in chosen.values() for t in ids]
-    results = assert_every_episode_succeeded(tmp_path / "results" / "demo_vm", tasks,
-                                             rollouts=1)
-    assert all(r["desktop"].startswith("vm-") for r in results)
-    assert not any(state_dir.iterdir()), "VM directories left after the run"
