@@ -69,6 +69,7 @@ def _cfg(image: Path, state_dir: Path, **kw) -> DesktopsConfig:
 
 async def test_a_vm_desktop_conforms_and_a_restore_leaves_nothing_of_an_episode(image,
                                                                               state_dir):
+    before = image.stat()
     cfg = _cfg(image, state_dir)
     assert cfg.verify.enabled  # the reset check runs after each restore
     pool = DesktopPool(cfg)
@@ -104,6 +105,8 @@ async def test_a_vm_desktop_conforms_and_a_restore_leaves_nothing_of_an_episode(
     finally:
         await pool.stop()
     assert _qemus() == [], "QEMU processes left after the pool stopped"
+    after = image.stat()  # the base of every VM: never written
+    assert (after.st_mtime_ns, after.st_size) == (before.st_mtime_ns, before.st_size)
     assert not any(state_dir.iterdir()), "VM directories left after the pool stopped"
     print(f"\nvm release + restore + verify + lease s: {[round(r, 2) for r in resets]} "
           f"(median {statistics.median(resets):.2f})")
