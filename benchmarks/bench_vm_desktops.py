@@ -54,7 +54,8 @@ async def _measure(args: argparse.Namespace, image: Path) -> None:
             t0 = time.monotonic()
             warm = await provider.start(-1)  # builds (or finds) the ready state: not counted
             build_s = max(build_s, time.monotonic() - t0)
-            state_bytes = provider.state.size_bytes() if provider.state is not None else 0
+            assert provider.spec is not None
+            state_bytes = provider.cache.load(provider.spec).size_bytes()
             await provider.stop(warm)
             started = await asyncio.gather(*(_timed(provider.start(i)) for i in range(count)))
             desktops = [d for d, _ in started]
