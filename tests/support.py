@@ -256,3 +256,18 @@ class ProbeWindow:
     def errors(self) -> list[dict[str, Any]]:
         self._read()
         return [e for e in self.events if e["event"] == "error"]
+
+
+def vm_test_guest():
+    """The tiny QEMU guest of the VM tests (``tests.doubles.vm_guest``), built or found in
+    its cache; the test is unavailable where QEMU or what the guest is built from is missing."""
+    import shutil
+
+    from tests.doubles.vm_guest import build_test_guest
+
+    for tool in ("qemu-system-x86_64", "qemu-img", "cpio", "dpkg-deb"):
+        if shutil.which(tool) is None:
+            unavailable(f"{tool} is not installed (scripts/setup_env.sh --vm)")
+    if not Path("/bin/busybox").exists():
+        unavailable("busybox-static is not installed (scripts/setup_env.sh --vm)")
+    return build_test_guest()

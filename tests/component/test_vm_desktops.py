@@ -45,10 +45,9 @@ from tests.doubles.vm_guest import (
     SCREEN_HEIGHT,
     SCREEN_WIDTH,
     TestGuest,
-    build_test_guest,
     make_base_disk,
 )
-from tests.support import REPO_ROOT, unavailable
+from tests.support import REPO_ROOT, vm_test_guest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -58,18 +57,9 @@ MEMORY_MB = 1024
 WAIT_S = 120  # TCG on a busy 2-core machine: a first boot takes 5-20 s
 
 
-def _need_qemu() -> None:
-    for tool in ("qemu-system-x86_64", "qemu-img", "cpio", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            unavailable(f"{tool} is not installed (scripts/setup_env.sh --vm)")
-    if not Path("/bin/busybox").exists():
-        unavailable("busybox-static is not installed (scripts/setup_env.sh --vm)")
-
-
 @pytest.fixture(scope="module")
 def guest() -> TestGuest:
-    _need_qemu()
-    return build_test_guest()
+    return vm_test_guest()
 
 
 @pytest.fixture(scope="module")

@@ -30,10 +30,9 @@ from tests.doubles.vm_guest import (
     GUEST_HTTP_PORT,
     READY_LINE,
     TestGuest,
-    build_test_guest,
     make_base_disk,
 )
-from tests.support import REPO_ROOT, small_filesystem, unavailable
+from tests.support import REPO_ROOT, small_filesystem, unavailable, vm_test_guest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -42,18 +41,9 @@ HTTP_TIMEOUT_S = 30
 MEMORY_MB = 1024
 
 
-def _need_qemu() -> None:
-    for tool in ("qemu-system-x86_64", "qemu-img", "cpio", "dpkg-deb"):
-        if shutil.which(tool) is None:
-            unavailable(f"{tool} is not installed (scripts/setup_env.sh --vm)")
-    if not Path("/bin/busybox").exists():
-        unavailable("busybox-static is not installed (scripts/setup_env.sh --vm)")
-
-
 @pytest.fixture(scope="module")
 def guest() -> TestGuest:
-    _need_qemu()
-    return build_test_guest()
+    return vm_test_guest()
 
 
 @pytest.fixture(scope="module")
