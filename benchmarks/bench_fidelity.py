@@ -2,7 +2,7 @@
 times and many at once; how often a correct solution does not score 1.0, and where.
 
     python benchmarks/bench_fidelity.py [--concurrency 4] [--repeat 1] [--tasks ID ...]
-        [--keep [DIR]] [--json OUT]
+        [--suite DIR] [--tasks-file F] [--nothing] [--keep [DIR]] [--json OUT]
 
 Starts ``--concurrency`` local desktops once (Xvfb + openbox + session bus + the desktop
 server, through the same ``DesktopPool`` and ``local`` provider as run.py's demo; reset in the
@@ -12,10 +12,14 @@ reset(task) with its setup, each reply parsed and run with a wait until the scre
 the task's evaluator, release. At most ``--concurrency`` replays run at once.
 
 A replay of a correct reference solution that does not score 1.0, or whose action the desktop
-refused, is a *fidelity failure*; one that raised an infrastructure error (a desktop request
-failed, a setup step timed out, no desktop free: ``cua_rollout.core.errors.InfraError``, transport
-and
-OS errors) is an *infra error*, counted apart, as are the pool's quarantined and replaced
+refused, is a *fidelity failure*. ``--nothing`` plays only ``finished()`` instead, for any task
+set in OSWorld's layout (its own ``evaluation_examples`` too, which have no reference
+solutions): the untouched desktop, scored as the evaluator scores an agent that did nothing;
+a score above 0 is a failure (the desktop's initial state already passes the task's check,
+the look-alike's difference docs/osworld.md lists and the local profile fixes).
+Either way, a replay that raised an infrastructure error (a desktop request failed, a setup
+step timed out, no desktop free: ``cua_rollout.core.errors.InfraError``, transport and OS
+errors) is an *infra error*, counted apart, as are the pool's quarantined and replaced
 desktops. Prints (rich tables) replays, failures by task and by action kind (the kinds of the
 actions in the failing replays' solutions: click, left_double, drag, type, hotkey, scroll ...),
 infra errors, wall time, replays per minute, and CPU seconds per action spent in the desktops
@@ -60,7 +64,12 @@ from cua_rollout.config import Config, load_config  # noqa: E402
 from cua_rollout.core.errors import InfraError  # noqa: E402
 from cua_rollout.evaluation import Evaluator  # noqa: E402
 from cua_rollout.runtime.pool import DesktopPool  # noqa: E402
-from cua_rollout.runtime.replay import play, run_concurrently, with_upload_root  # noqa: E402
+from cua_rollout.runtime.replay import (  # noqa: E402
+    NOTHING,
+    play,
+    run_concurrently,
+    with_upload_root,
+)
 
 TERMINAL_KINDS = ("finished", "call_user")
 SAMPLE_INTERVAL_S = 1.0
@@ -73,16 +82,18 @@ KEEP_PREFIX = "bench-fidelity-"
 
 def load_tasks(suite: Path, only: list[str] | None) -> list[tuple[str, dict[str, Any]]]:
     """(domain, task) of the suite (OSWorld layout), in its index's order; ``only``: task
-    ids or domains."""
+    ids, domains, or ``domain/id`` (OSWorld reuses a few ids across domains)."""
     index = json.loads((suite / "test_all.json").read_text(encoding="utf-8"))
     tasks = [(d, json.loads((suite / "examples" / d / f"{i}.json").read_text(encoding="utf-8")))
              for d, ids in index.items() for i in ids]
     if only:
         wanted = set(only)
-        unknown = wanted - {t["id"] for _, t in tasks} - set(index)
+        unknown = (wanted - {t["id"] for _, t in tasks} - set(index)
+                   - {f"{d}/{t['id']}" for d, t in tasks})
         if unknown:
             raise SystemExit(f"no such task or domain in {suite}: {', '.join(sorted(unknown))}")
-        tasks = [(d, t) for d, t in tasks if t["id"] in wanted or d in wanted]
+        tasks = [(d, t) for d, t in tasks
+                 if t["id"] in wanted or d in wanted or f"{d}/{t['id']}" in wanted]
     return tasks
 
 
@@ -227,9 +238,10 @@ async def _diagnose(env: Any, task: dict[str, Any], folder: Path) -> None:
 
 async def replay_once(cfg: Config, pool: DesktopPool, evaluator: Evaluator, domain: str,
                       task: dict[str, Any], kinds: list[str], round_: int, keep: Path | None,
-                      done: Any) -> dict[str, Any]:
-    """One replay of the task's reference solution: its record (never raises)."""
-    name = f"{task['id']}#{round_}"
+                      done: Any, nothing: bool = False) -> dict[str, Any]:
+    """One replay of the task's reference solution (``nothing``: of ``finished()`` alone,
+    expected to score 0): its record (never raises)."""
+    name = f"{domain}/{task['id']}#{round_}"
     folder = keep / f"{task['id']}-{round_}" if keep is not None else None
     lines: list[tuple[float, str]] = []
     stats: dict[str, Any] = {}
@@ -248,11 +260,13 @@ async def replay_once(cfg: Config, pool: DesktopPool, evaluator: Evaluator, doma
     record: dict[str, Any] = {"task": task["id"], "domain": domain, "round": round_,
                               "name": name, "kinds": kinds}
     try:
-        value = await play(cfg, pool, task, task["reference_solution"], evaluator=evaluator,
-                           shots=folder, log=log, stats=stats, then=then)
+        replies = [NOTHING] if nothing else task["reference_solution"]
+        value = await play(cfg, pool, task, replies, evaluator=evaluator, shots=folder,
+                           log=log, stats=stats, then=then)
+        expected = 0.0 if nothing else 1.0
         record["score"] = value
-        record["outcome"] = "pass" if value == 1.0 else "fail"
-        record["detail"] = None if value == 1.0 else f"score {value}"
+        record["outcome"] = "pass" if value == expected else "fail"
+        record["detail"] = None if value == expected else f"score {value}"
     except Exception as exc:
         record["score"] = None
         record["outcome"] = "infra" if is_infra(exc) else "fail"
@@ -295,7 +309,13 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
         f"desktops.local.start_timeout_s={args.start_timeout}", *args.set])
     cfg = with_upload_root(cfg, ROOT)
     tasks = load_tasks(suite, args.tasks)
-    kinds = {t["id"]: action_kinds(cfg, t["reference_solution"]) for _, t in tasks}
+    if not args.nothing:
+        unsolved = [t["id"] for _, t in tasks if not t.get("reference_solution")]
+        if unsolved:
+            raise SystemExit(f"{len(unsolved)} tasks of {suite} have no reference_solution "
+                             f"(first {unsolved[0]}): play them with --nothing")
+    kinds = {t["id"]: [] if args.nothing else action_kinds(cfg, t["reference_solution"])
+             for _, t in tasks}
     keep = args.keep
     if keep is not None:
         keep.mkdir(parents=True, exist_ok=True)
@@ -314,6 +334,7 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
                       f"{extra}", highlight=False)
 
     report: dict[str, Any] = {"suite": str(suite), "config": args.config,
+                              "mode": "nothing" if args.nothing else "reference",
                               "concurrency": args.concurrency, "repeat": args.repeat,
                               "tasks": len(tasks), "cpus": psutil.cpu_count()}
     # The pool's start runs partly in threads that a cancel cannot stop: on Ctrl-C it is let
@@ -327,8 +348,8 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
                       f"{total} replays of {len(tasks)} tasks", highlight=False)
         cpu.start()
         own0, busy0, wall0 = own_cpu_s(), busy_cpu_s(), time.monotonic()
-        episodes = [(f"{t['id']}#{r}", replay_once(cfg, pool, evaluator, d, t, kinds[t["id"]],
-                                                   r, keep, done))
+        episodes = [(f"{d}/{t['id']}#{r}", replay_once(cfg, pool, evaluator, d, t, kinds[t["id"]],
+                                                   r, keep, done, args.nothing))
                     for r in range(args.repeat) for d, t in tasks]
         try:
             outcomes = await run_concurrently(episodes, args.concurrency)
@@ -533,6 +554,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--concurrency", type=int, default=4,
                         help="desktops, and replays at once")
     parser.add_argument("--tasks", nargs="+", metavar="ID", help="task ids or domains")
+    parser.add_argument("--tasks-file", type=Path, metavar="F",
+                        help="task ids, domains or domain/id, one per line (with --tasks: both)")
+    parser.add_argument("--nothing", action="store_true",
+                        help="play only finished(): every task's untouched desktop must score 0")
     parser.add_argument("--suite", default="tasks/demo")
     parser.add_argument("--config", default="configs/demo.yaml")
     parser.add_argument("--start-timeout", type=float, default=180.0,
@@ -545,6 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeat < 1 or args.concurrency < 1:
         parser.error("--repeat and --concurrency must be at least 1")
+    if args.tasks_file is not None:
+        try:
+            listed = args.tasks_file.read_text(encoding="utf-8").split()
+        except OSError as exc:
+            parser.error(f"--tasks-file: {exc}")
+        args.tasks = [*(args.tasks or []), *listed]
     if shutil.which("Xvfb") is None:
         print("needs Xvfb (scripts/setup_env.sh)", file=sys.stderr)
         return 2

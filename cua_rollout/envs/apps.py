@@ -14,6 +14,14 @@ Where the list comes from, per provider (``desktop_apps``):
 App names are OSWorld's (``chrome``, ``libreoffice_calc``, ``vs_code`` ...) and the demo
 tasks' own (``mousepad``, ``galculator``, ``xterm``); ``os`` is the desktop itself. Chromium
 stands in for OSWorld's Chrome (docs/osworld.md lists what a task can tell apart).
+
+OSWorld's task files write ``related_apps`` freely: 23 spellings in its 369 tasks, among them
+``vscode`` (28 tasks) beside ``vs_code`` (6), ``libreoffice calc`` (18), ``calc``, ``writer``,
+``Chrome``, ``OS``, ``browser``, ``terminal``, ``pdf`` and ``image``. ``app_name`` reads each
+spelling as the app it means (case and spaces aside, ``APP_ALIASES``), so a task is never
+called unrunnable for how its file spells an app the desktop has. ``pdf``, ``image`` and
+``ubuntu_media_player`` are the viewers of OSWorld's Ubuntu (Document Viewer, Image Viewer,
+Videos) or any app that shows such files (``APP_COMMANDS``).
 """
 
 from __future__ import annotations
@@ -27,8 +35,16 @@ from typing import NamedTuple
 
 from cua_rollout.config import DesktopsConfig
 
-__all__ = ["APP_COMMANDS", "PACKAGE_APPS", "DesktopApps", "apps_of_packages", "desktop_apps",
-           "main"]
+__all__ = ["APP_ALIASES", "APP_COMMANDS", "PACKAGE_APPS", "DesktopApps", "app_name",
+           "apps_of_packages", "desktop_apps", "main"]
+
+# Other spellings of an app in OSWorld's task files -> the app (after ``app_name`` folds case
+# and turns spaces into underscores).
+APP_ALIASES: dict[str, str] = {
+    "vscode": "vs_code", "code": "vs_code", "calc": "libreoffice_calc",
+    "writer": "libreoffice_writer", "impress": "libreoffice_impress", "browser": "chrome",
+    "google_chrome": "chrome", "gnome-terminal": "terminal", "gnome_terminal": "terminal",
+}
 
 # An app -> the commands any of which provides it on a desktop. A name not listed is looked
 # up as a command of its own name.
@@ -41,17 +57,27 @@ APP_COMMANDS: dict[str, tuple[str, ...]] = {
     "thunderbird": ("thunderbird",),
     "vlc": ("vlc",),
     "vs_code": ("code",),
+    "libreoffice": ("soffice", "libreoffice"),
+    "terminal": ("gnome-terminal",),
+    # Viewers: what OSWorld's Ubuntu opens such files with, or another app that shows them.
+    "pdf": ("evince", "atril", "okular", "google-chrome", "chromium"),
+    "image": ("eog", "ristretto", "gimp"),
+    "ubuntu_media_player": ("totem", "vlc"),
 }
 # The desktop itself: always there.
 _ALWAYS = frozenset({"os"})
 
-# A Debian package of a desktop image -> the app it provides.
-PACKAGE_APPS: dict[str, str] = {
-    "chromium": "chrome", "google-chrome-stable": "chrome", "gimp": "gimp",
-    "libreoffice-calc": "libreoffice_calc", "libreoffice-writer": "libreoffice_writer",
-    "libreoffice-impress": "libreoffice_impress", "thunderbird": "thunderbird", "vlc": "vlc",
-    "code": "vs_code", "xterm": "xterm", "mousepad": "mousepad", "galculator": "galculator",
-    "gnome-terminal": "gnome-terminal",
+# A Debian package of a desktop image -> the apps it provides.
+PACKAGE_APPS: dict[str, tuple[str, ...]] = {
+    "chromium": ("chrome", "pdf"), "google-chrome-stable": ("chrome", "pdf"),
+    "gimp": ("gimp", "image"),
+    "libreoffice-calc": ("libreoffice_calc", "libreoffice"),
+    "libreoffice-writer": ("libreoffice_writer", "libreoffice"),
+    "libreoffice-impress": ("libreoffice_impress", "libreoffice"),
+    "thunderbird": ("thunderbird",), "vlc": ("vlc", "ubuntu_media_player"),
+    "code": ("vs_code",), "xterm": ("xterm",), "mousepad": ("mousepad",),
+    "galculator": ("galculator",), "gnome-terminal": ("terminal",), "evince": ("pdf",),
+    "eog": ("image",), "totem": ("ubuntu_media_player",), "picard": ("picard",),
 }
 
 # The container engine's answer about an image's label, at most this long.
@@ -68,13 +94,22 @@ class DesktopApps(NamedTuple):
     here: bool = False
 
     def lacks(self, wanted: Iterable[str]) -> list[str]:
-        """The apps of ``wanted`` these desktops do not have, in order."""
+        """The apps of ``wanted`` (as a task spells them) these desktops do not have, in
+        order, each once, by their own names (``app_name``)."""
+        names = list(dict.fromkeys(app_name(app) for app in wanted))
         if self.here:
-            return [app for app in wanted if app not in _ALWAYS and not _installed_here(app)]
+            return [app for app in names if app not in _ALWAYS and not _installed_here(app)]
         if self.apps is None:
             return []
-        have = self.apps | _ALWAYS
-        return [app for app in wanted if app not in have]
+        have = {app_name(app) for app in self.apps} | _ALWAYS
+        return [app for app in names if app not in have]
+
+
+def app_name(spelling: str) -> str:
+    """The app a task's ``related_apps`` entry means: case folded, spaces as underscores,
+    then ``APP_ALIASES`` (``"libreoffice calc"`` and ``"calc"`` are ``libreoffice_calc``)."""
+    name = "_".join(spelling.strip().lower().split())
+    return APP_ALIASES.get(name, name)
 
 
 def _installed_here(app: str) -> bool:
@@ -117,7 +152,7 @@ def apps_of_packages(lines: Iterable[str]) -> list[str]:
     """The apps the Debian packages of a package list provide (comments and blank lines
     skipped), sorted."""
     packages = {line.split("#", 1)[0].strip() for line in lines}
-    return sorted({PACKAGE_APPS[p] for p in packages if p in PACKAGE_APPS})
+    return sorted({app for p in packages for app in PACKAGE_APPS.get(p, ())})
 
 
 def main(argv: list[str] | None = None) -> int:

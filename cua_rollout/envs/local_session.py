@@ -12,6 +12,17 @@ A session starts from the allowlisted part of the controller's environment
 model's API
 key, cloud and Hugging Face credentials, and whatever a desktop's process can read, the model
 can print. The desktop server alone receives the bearer token, and removes it once read.
+
+**OSWorld's paths.** OSWorld's tasks name the user's files by absolute path: 279 of its 369
+tasks write or read ``/home/user/...`` (its VM's user), and some ``/tmp/...``. A local desktop
+therefore runs its session bus, AT-SPI and server (and so every app and command they start)
+in a mount namespace of its own (``unshare --mount``, as root), where ``/home/user`` is the
+desktop's HOME and ``/tmp`` its own temporary directory (the X server's socket directory
+bound into it): each desktop sees the paths OSWorld's VM has, none sees another's files, and
+nothing a task writes lands in the machine's own ``/home`` or ``/tmp``. HOME is
+``/home/user`` there. Where a mount namespace cannot be made (not root, no ``unshare``), the
+session runs as before, HOME its own directory, and tasks that name ``/home/user`` cannot be
+done there (one warning says so; ``namespaced`` is False).
 """
 
 from __future__ import annotations
@@ -19,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import select
 import shutil
@@ -43,8 +55,32 @@ from cua_rollout.desktop.protocol import CHROMIUM_PORT_VAR, VLC_PORT_VAR
 
 __all__ = ["MARKER", "SESSION_FILE", "LocalDesktopSession", "office_pipe", "sweep_stale_sessions"]
 
+log = logging.getLogger(__name__)
+
 MARKER = DESKTOP_ID_VAR
 SESSION_FILE = "session.json"
+# The user's HOME on OSWorld's VM, where a namespaced session's HOME is mounted.
+OSWORLD_HOME = Path("/home/user")
+# The session bus's socket on OSWorld's VM (uid 1000's runtime dir); a task's commands name it.
+OSWORLD_RUNTIME = Path("/run/user/1000")
+# Run first in a new mount namespace (private propagation: nothing reaches the machine's
+# mounts), then exec the command: sh -c _NS_SETUP sh TMP HOME RUNTIME [KEEP...] -- COMMAND...
+# TMP (the session's tmp dir) becomes /tmp, with the X server's sockets bound into it; HOME
+# becomes /home/user, RUNTIME /run/user/1000; each KEEP (a directory under the machine's /tmp
+# the session's processes use: its own directory, the interpreter's, the package's) stays at
+# its path.
+_NS_SETUP = """set -e
+T=$1; H=$2; R=$3; shift 3
+while [ "$1" != -- ]; do
+  mkdir -p "$T/${1#/tmp/}"; mount --bind "$1" "$T/${1#/tmp/}"; shift
+done
+shift
+mount --bind /tmp/.X11-unix "$T/.X11-unix"
+mount --bind "$H" """ + str(OSWORLD_HOME) + """
+mount --bind "$R" """ + str(OSWORLD_RUNTIME) + """
+mount --rbind "$T" /tmp
+exec "$@"
+"""
 AT_SPI_LAUNCHER = "/usr/libexec/at-spi-bus-launcher"
 # Openbox's settings for every desktop: fixed window placement (the demo tasks' reference
 # solutions click at fixed coordinates) and no binding a stray scroll or hotkey could trigger.
@@ -94,6 +130,8 @@ class LocalDesktopSession:
         self.url: str | None = None
         self._procs: dict[str, subprocess.Popen[bytes]] = {}
         self._env: dict[str, str] = {}
+        self.namespaced = _mount_namespaces_work()
+        self._ns_pid: int | None = None  # the first process of the session's mount namespace
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -135,6 +173,10 @@ class LocalDesktopSession:
             except DisplayError as exc:  # the desktop side's error, in the controller's tree
                 raise DesktopError(f"{self.id}: {exc}") from exc
             self._env = self.display.env(base)
+            if self.namespaced:
+                (tmp / ".X11-unix").mkdir(exist_ok=True)
+                for mount_point in (OSWORLD_HOME, OSWORLD_RUNTIME):
+                    mount_point.mkdir(parents=True, exist_ok=True)
             self._start_dbus(deadline)
             if os.path.exists(AT_SPI_LAUNCHER):
                 self._procs["at-spi"] = self._spawn(
@@ -193,6 +235,12 @@ class LocalDesktopSession:
             (self.dir / SESSION_FILE).unlink()
         shutil.rmtree(self.dir, ignore_errors=True)
 
+    @property
+    def desktop_home(self) -> Path:
+        """HOME as the desktop's processes name it (``home`` is where it is on this
+        machine)."""
+        return OSWORLD_HOME if self.namespaced else self.home
+
     def alive(self) -> bool:
         """Whether every core process of the session still runs."""
         return (
@@ -248,8 +296,15 @@ class LocalDesktopSession:
                 proc.kill()
         _wait_dead(victims, _STOP_TIMEOUT_S)
         with contextlib.suppress(OSError):  # a killed LibreOffice leaves its socket behind
-            office_pipe(self.home).unlink()
+            self._office_pipe().unlink()
         return len(victims)
+
+    def _office_pipe(self) -> Path:
+        """Where this session's LibreOffice leaves its socket, on the machine's side."""
+        if not self.namespaced:
+            return office_pipe(self.home)
+        pipe = office_pipe(OSWORLD_HOME)  # in the namespace's /tmp: the session's tmp dir
+        return self.dir / "tmp" / pipe.relative_to("/tmp")
 
     # ----------------------------------------------------------------- parts
 
@@ -268,19 +323,52 @@ class LocalDesktopSession:
         provision(self.home)  # the desktop profile: apps start as on OSWorld's image
 
     def _spawn(self, name: str, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
-        log = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 — handed to the child
+        """Start one process of the session: in its mount namespace when it has one (the
+        first such process makes it; the others enter it: ``nsenter`` execs in place, so
+        the pid is the command's)."""
+        env = dict(kw.pop("env", self._env))  # type: ignore[call-overload]
+        if self.namespaced:
+            env.update(HOME=str(OSWORLD_HOME), TMPDIR="/tmp",
+                       XDG_RUNTIME_DIR=str(OSWORLD_RUNTIME))
+            if self._ns_pid is None:
+                argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c",
+                        _NS_SETUP, "sh", str(self.dir / "tmp"), str(self.home),
+                        str(self.dir / "runtime"),
+                        *self._kept_under_tmp(), "--", *argv]
+            else:
+                argv = ["nsenter", f"--mount=/proc/{self._ns_pid}/ns/mnt", "--", *argv]
+                cwd = kw.pop("cwd", None)
+                if cwd is not None:  # as the namespace names it: nsenter's --wd would open
+                    # the path in this namespace (the machine's empty /home/user)
+                    where = OSWORLD_HOME if Path(str(cwd)) == self.home else cwd
+                    argv[3:3] = ["sh", "-c", 'cd "$1" && shift && exec "$@"', "sh", str(where)]
+        out = open(self.dir / f"{name}.log", "ab")  # noqa: SIM115 — handed to the child
         try:
-            return subprocess.Popen(
+            proc = subprocess.Popen(
                 argv,
-                env=kw.pop("env", self._env),
+                env=env,
                 stdin=subprocess.DEVNULL,
-                stdout=kw.pop("stdout", log),
-                stderr=log,
+                stdout=kw.pop("stdout", out),
+                stderr=out,
                 start_new_session=True,
                 **kw,
             )  # type: ignore[arg-type]
         finally:
-            log.close()
+            out.close()
+        if self.namespaced and self._ns_pid is None:
+            self._ns_pid = proc.pid
+        return proc
+
+    def _kept_under_tmp(self) -> list[str]:
+        """The directories under /tmp the namespace keeps at their paths (outermost only)."""
+        root = Path(desktop.__file__).resolve().parent.parent
+        dirs = sorted({Path(p).resolve() for p in (self.dir, sys.prefix, sys.base_prefix,
+                                                    root)})
+        tmp, kept = Path("/tmp"), []
+        for d in dirs:
+            if d.is_relative_to(tmp) and d != tmp and not any(d.is_relative_to(k) for k in kept):
+                kept.append(d)
+        return [str(d) for d in kept]
 
     def _start_dbus(self, deadline: float) -> None:
         if shutil.which("dbus-daemon") is None:
@@ -289,7 +377,9 @@ class LocalDesktopSession:
         # The bus socket in the desktop's own directory (removed with it): the session
         # default, a socket file in /tmp, stays behind when the daemon is killed. A socket
         # path has at most 107 bytes; a longer directory keeps the default.
-        if len(str(self.dir)) < 80:
+        if self.namespaced:  # where OSWorld's VM has it (its runtime dir: the session's)
+            argv.append(f"--address=unix:path={OSWORLD_RUNTIME / 'bus'}")
+        elif len(str(self.dir)) < 80:
             argv.append(f"--address=unix:dir={self.dir}")
         proc = self._spawn(
             "dbus",
@@ -408,6 +498,32 @@ def sweep_stale_sessions(state_dir: Path) -> list[str]:
         shutil.rmtree(path.parent, ignore_errors=True)
         removed.append(str(state.get("id")))
     return removed
+
+
+_NAMESPACES: bool | None = None
+
+
+def _mount_namespaces_work() -> bool:
+    """Whether this process can give a session a mount namespace (root, ``unshare`` and
+    ``nsenter`` present, the kernel allows it): probed once; one warning when not."""
+    global _NAMESPACES
+    if _NAMESPACES is None:
+        why = None
+        if os.geteuid() != 0:
+            why = "not root"
+        elif not (shutil.which("unshare") and shutil.which("nsenter")):
+            why = "unshare/nsenter not found (Debian package: util-linux)"
+        else:
+            probe = subprocess.run(["unshare", "--mount", "--propagation", "private", "true"],
+                                   capture_output=True, text=True, timeout=10, check=False)
+            if probe.returncode != 0:
+                why = f"unshare --mount failed: {probe.stderr.strip()[:200]}"
+        _NAMESPACES = why is None
+        if why is not None:
+            log.warning("local desktops run without a mount namespace (%s): HOME is each "
+                        "desktop's own directory, not /home/user, so OSWorld tasks that "
+                        "name /home/user cannot be done on them", why)
+    return _NAMESPACES
 
 
 def _same_process(pid: int, create_time: float) -> bool:

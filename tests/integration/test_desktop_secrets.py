@@ -172,7 +172,7 @@ async def test_execute_and_the_desktops_processes_hold_no_secret(desktop: Deskto
         shown = dict(line.split("=", 1) for line in reply["output"].splitlines() if "=" in line)
         assert shown[SHOWN_ENV] == SHOWN_VALUE  # the allowlist, extended by ENV_ALLOW_VAR
         assert shown[MARKER] == desktop.session.id  # resets find the desktop's apps by it
-        assert shown["HOME"] == str(desktop.session.home)
+        assert shown["HOME"] == str(desktop.session.desktop_home)
         # The server took its token out of the environment the kernel shows for it, which
         # any process of the desktop could read.
         reply = await env.execute(SERVER_ENV, shell=True)
@@ -200,7 +200,7 @@ def _display_pids(session: LocalDesktopSession) -> set[int]:
 
 async def test_env_typed_into_a_terminal_shows_no_secret(desktop: Desktop) -> None:
     env = desktop.client()
-    typed = desktop.session.home / "typed-env.txt"
+    typed = desktop.session.desktop_home / "typed-env.txt"
     try:
         await open_terminal_and_type_env(env, "secrets-tee", f"env | tee {typed.name}")
 

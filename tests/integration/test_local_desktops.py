@@ -128,8 +128,10 @@ async def test_an_action_is_ended_by_the_server_before_the_client_gives_up(pool,
     lease = await pool.lease("ep-slow")
     cfg = pool.cfg.model_copy(update={"request_timeout_s": 3.0})
     env = RemoteDesktopEnv(lease.url, cfg, name=lease.desktop_id)
-    pid_file = tmp_path / "action.pid"
-    action = f"import os; open({str(pid_file)!r}, 'w').write(str(os.getpid())); time.sleep(300)"
+    # In the desktop's HOME: the desktop has a /tmp of its own, not this machine's.
+    pid_file = pool.provider._sessions[lease.desktop_id].home / "action.pid"
+    action = ("import os; open(os.path.expanduser('~/action.pid'), 'w')"
+              ".write(str(os.getpid())); time.sleep(300)")
     started = time.monotonic()
     with pytest.raises(DesktopError, match=r"timed out after 1\.5 seconds"):
         await env.step(action)

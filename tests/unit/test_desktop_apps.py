@@ -5,7 +5,7 @@ import stat
 from pathlib import Path
 
 from cua_rollout.config import load_config
-from cua_rollout.envs.apps import apps_of_packages, desktop_apps, main
+from cua_rollout.envs.apps import app_name, apps_of_packages, desktop_apps, main
 from cua_rollout.evaluation.preflight import TaskChecker
 
 TASK = {"id": "t", "instruction": "x", "config": [], "evaluator": {"func": "infeasible"}}
@@ -48,9 +48,10 @@ def test_the_pre_flight_names_the_missing_app_and_where_the_list_came_from():
 def test_the_image_label_comes_from_the_package_lists(tmp_path, capsys):
     listing = tmp_path / "apt.txt"
     listing.write_text("# a comment\nxvfb\nchromium  # the browser\nlibreoffice-calc\n\n")
-    assert apps_of_packages(listing.read_text().splitlines()) == ["chrome", "libreoffice_calc"]
+    assert apps_of_packages(listing.read_text().splitlines()) == [
+        "chrome", "libreoffice", "libreoffice_calc", "pdf"]
     assert main([str(listing)]) == 0
-    assert capsys.readouterr().out == "chrome,libreoffice_calc\n"
+    assert capsys.readouterr().out == "chrome,libreoffice,libreoffice_calc,pdf\n"
     assert main([]) == 2
 
 
@@ -75,3 +76,21 @@ def test_check_tasks_reads_a_task_sets_files_as_run_py_does(tmp_path, capsys):
     (tmp_path / "test_all.json").write_text(json.dumps({"os": ["up"]}))
     assert check_tasks([str(tmp_path / "test_all.json"), "--json"]) == 0, capsys.readouterr()
     assert json.loads(capsys.readouterr().out)["runnable"] == 1
+
+
+def test_osworlds_spellings_of_an_app_are_that_app(tmp_path, monkeypatch):
+    """OSWorld's task files spell apps 23 ways (``vscode`` in 28 tasks, ``libreoffice calc``
+    in 18, ``Chrome``, ``OS``, ``calc`` ...): each means the app, never a missing one."""
+    assert [app_name(a) for a in ("vscode", "libreoffice calc", "Chrome", "OS", "calc",
+                                  "Writer", "browser", " LibreOffice  Impress ")] == [
+        "vs_code", "libreoffice_calc", "chrome", "os", "libreoffice_calc",
+        "libreoffice_writer", "chrome", "libreoffice_impress"]
+    declared = desktop_apps(load_config(None, ['desktops.apps=["libreoffice_calc","chrome",'
+                                               '"gnome-terminal"]']).desktops)
+    assert declared.lacks(["libreoffice calc", "calc", "OS", "Chrome", "terminal",
+                           "vscode", "vs_code"]) == ["vs_code"]
+    _command(tmp_path, "localc")
+    _command(tmp_path, "evince")
+    monkeypatch.setenv("PATH", str(tmp_path))
+    here = desktop_apps(load_config(None, ["desktops.provider=local"]).desktops)
+    assert here.lacks(["libreoffice calc", "pdf", "image", "picard"]) == ["image", "picard"]
