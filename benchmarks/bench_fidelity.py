@@ -469,7 +469,8 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
         return format(value, spec) if spec else str(value)
 
     cpu, pool = report["cpu"], report["pool"]
-    summary = Table(title=f"replay fidelity: {report['tasks']} tasks x {report['repeat']} on "
+    what = "untouched desktops" if report.get("mode") == "nothing" else "replay fidelity"
+    summary = Table(title=f"{what}: {report['tasks']} tasks x {report['repeat']} on "
                     f"{report['concurrency']} local desktops ({report['cpus']} CPUs)",
                     show_header=False)
     summary.add_column("figure")
@@ -477,7 +478,8 @@ def print_report(console: Any, report: dict[str, Any]) -> None:
     fail_style = "bold red" if report["failures"] else "green"
     rows = [
         ("replays", str(report["replays"])),
-        ("passed (score 1.0)", str(report["passed"])),
+        ("passed (score 0.0 untouched)" if report.get("mode") == "nothing"
+         else "passed (score 1.0)", str(report["passed"])),
         ("fidelity failures", f"[{fail_style}]{report['failures']}[/{fail_style}]"),
         ("infra errors (apart)", str(report["infra_errors"])),
         ("desktops quarantined / replaced", f"{pool['quarantined']} / {pool['replaced']}"),
