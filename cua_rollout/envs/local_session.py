@@ -132,6 +132,7 @@ class LocalDesktopSession:
         self._env: dict[str, str] = {}
         self.namespaced = _mount_namespaces_work()
         self._ns_pid: int | None = None  # the first process of the session's mount namespace
+        self._tmp_at_start: set[str] = set()  # its /tmp's entries once it was up
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -183,6 +184,7 @@ class LocalDesktopSession:
                     "at-spi", [AT_SPI_LAUNCHER, "--launch-immediately"]
                 )
             self.url = self._start_server(deadline)
+            self._tmp_at_start = set(os.listdir(tmp))
             self._record()
         except BaseException:
             self.stop()
@@ -195,6 +197,7 @@ class LocalDesktopSession:
         killed = self.kill_apps()
         t1 = time.monotonic()
         self._restore_home()
+        self._restore_tmp()
         t2 = time.monotonic()
         # A previous episode may have left a modifier held (keydown without keyup) and the
         # pointer anywhere; put both back where a fresh desktop has them.
@@ -321,6 +324,19 @@ class LocalDesktopSession:
         for name in _HOME_DIRS:
             (self.home / name).mkdir(exist_ok=True)
         provision(self.home)  # the desktop profile: apps start as on OSWorld's image
+
+    def _restore_tmp(self) -> None:
+        """Remove what the last episode left in the session's /tmp (its apps are dead by
+        now), as OSWorld's snapshot revert does; the session's own entries stay."""
+        tmp = self.dir / "tmp"
+        with contextlib.suppress(FileNotFoundError):
+            for name in set(os.listdir(tmp)) - self._tmp_at_start:
+                entry = tmp / name
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry, ignore_errors=True)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        entry.unlink()
 
     def _spawn(self, name: str, argv: list[str], **kw: object) -> subprocess.Popen[bytes]:
         """Start one process of the session: in its mount namespace when it has one (the

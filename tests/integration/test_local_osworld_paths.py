@@ -88,10 +88,11 @@ async def test_each_desktop_has_osworlds_paths_of_its_own(pool):
     await pool.release(a.lease_id)
     again = await pool.lease("ep-c")
     env = RemoteDesktopEnv(again.url, pool.cfg, name=again.desktop_id)
-    if again.desktop_id == a.desktop_id:
-        assert await env.get_file("/home/user/Desktop/dir1/f.txt") is None
-        assert (await _sh(env, "gsettings get org.gnome.desktop.interface "
-                               "text-scaling-factor")).strip() == "1.0"
+    assert again.desktop_id == a.desktop_id  # b is still leased
+    assert await env.get_file("/home/user/Desktop/dir1/f.txt") is None
+    assert await env.get_file("/tmp/osworld-note") is None
+    assert (await _sh(env, "gsettings get org.gnome.desktop.interface "
+                           "text-scaling-factor")).strip() == "1.0"
 
 
 async def test_the_initial_state_is_osworlds_where_tasks_read_it(pool):
