@@ -730,6 +730,15 @@ class DesktopsConfig(_Section):
     vm: VMDesktopsConfig = VMDesktopsConfig()
     """Settings of the ``vm`` provider."""
 
+    @property
+    def start_deadline_s(self) -> float:
+        """How long the provider may take to start one desktop: a VM's first start boots the
+        image and saves its ready state; a pod waits to be scheduled and pulled."""
+        return {"vm": self.vm.boot_timeout_s + self.vm.start_timeout_s,
+                "container": self.container.start_timeout_s,
+                "kubernetes": self.kubernetes.startup_timeout_s,
+                }.get(self.provider, self.local.start_timeout_s)
+
     @model_validator(mode="after")
     def _vm_complete(self) -> DesktopsConfig:
         if self.provider == "vm" and self.vm.image is None:

@@ -369,7 +369,7 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     if desktops_started is not None:
         try:
             pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
-                                 + cfg.desktops.local.start_timeout_s * 2)
+                                 + cfg.desktops.start_deadline_s * 2)
         except Exception as exc:
             stop_actors(actors, "failed", None)
             raise FatalSetupError(f"desktops did not start: {ray_cause(exc)}") from exc

@@ -16,7 +16,7 @@ from typing import Any
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.aio import TaskSet, backoff_s
-from cua_rollout.core.errors import DesktopError, DesktopUnavailable
+from cua_rollout.core.errors import ConfigError, DesktopError, DesktopUnavailable
 from cua_rollout.core.http import redact_url
 from cua_rollout.envs.client import close_shared_client
 from cua_rollout.envs.providers import make_provider
@@ -120,6 +120,8 @@ class DesktopPool:
         )
         errors = [r for r in results if isinstance(r, BaseException)]
         if errors and len(errors) == len(results):
+            if isinstance(errors[0], ConfigError):  # the config's fault: said as such
+                raise errors[0]
             raise DesktopError(f"no desktop could be started: {errors[0]}") from errors[0]
         for err in errors:
             self._start_failed(err, "a desktop's start")

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from cua_rollout.config import DesktopsConfig
-from cua_rollout.core.errors import DesktopError, DesktopUnavailable
+from cua_rollout.core.errors import ConfigError, DesktopError, DesktopUnavailable
 from cua_rollout.envs.providers import DesktopProvider
 from cua_rollout.runtime.pool import DesktopPool
 from tests import support
@@ -49,6 +49,23 @@ async def test_starts_count_plus_spares_and_stops_them(make_pool):
     assert pool.stats()["free"] == 5
     await pool.stop()
     assert sorted(provider.stopped) == sorted(provider.started)
+
+
+@pytest.mark.parametrize("error", [ConfigError("desktops.vm.image: no such file /x.qcow2"),
+                                   DesktopError("Xvfb did not start")])
+async def test_a_pool_that_starts_no_desktop_says_why(error):
+    """A config error stays one (the driver names the key); other failures are the
+    desktops'."""
+    class Refusing(FakeProvider):
+        async def start(self, index):
+            raise error
+
+    pool = DesktopPool(cfg(), Refusing())
+    with pytest.raises(type(error), match=str(error)) as raised:
+        await pool.start()
+    await pool.stop()
+    if isinstance(error, DesktopError):
+        assert str(raised.value).startswith("no desktop could be started: ")
 
 
 async def test_capacity_limits_the_pool(make_pool):

@@ -536,3 +536,15 @@ def test_the_moved_keys_table_names_real_sections_and_new_keys():
             for part in new.split("."):  # the new key exists in the schema
                 field = node.model_fields[part]
                 node = config_module._model_in(field.annotation) or field.annotation
+
+
+def test_the_pool_start_deadline_is_the_providers():
+    """A VM's first start boots the image and saves its ready state: the driver waits for
+    that, not for a local desktop's minute."""
+    vm = load_config(None, ["desktops.provider=vm", "desktops.vm.image=/x.qcow2",
+                            "desktops.vm.boot_timeout_s=600", "desktops.vm.start_timeout_s=30"])
+    assert vm.desktops.start_deadline_s == 630
+    assert load_config(None).desktops.start_deadline_s == 60
+    assert load_config(None, ["desktops.provider=container",
+                              "desktops.container.start_timeout_s=45"]
+                       ).desktops.start_deadline_s == 45
