@@ -201,11 +201,13 @@ in_root /opt/venv/bin/python -m compileall -q /opt/cua >&2
 # --- the system: the server's unit, DHCP, a quick boot with nothing on the console to wait for --
 install -m 0644 "$vm_dir/cua-desktop.service" "$rootfs/etc/systemd/system/cua-desktop.service"
 install -m 0755 "$vm_dir/cua-screen-size" "$rootfs/usr/local/sbin/cua-screen-size"
+install -m 0755 "$vm_dir/cua-clock" "$rootfs/usr/local/sbin/cua-clock"
+install -m 0644 "$vm_dir/cua-clock.service" "$rootfs/etc/systemd/system/cua-clock.service"
 install -m 0644 -D "$vm_dir/20-dhcp.network" "$rootfs/etc/systemd/network/20-dhcp.network"
 mkdir -p "$rootfs/etc/systemd/journald.conf.d"
 # The journal in memory: an overlay is thrown away anyway, and TCG makes every write slow.
 printf '[Journal]\nStorage=volatile\n' > "$rootfs/etc/systemd/journald.conf.d/cua-vm.conf"
-in_root systemctl -q enable cua-desktop.service systemd-networkd.service
+in_root systemctl -q enable cua-desktop.service cua-clock.service systemd-networkd.service
 # No getty and no logind (nobody logs in; the serial console only shows the boot; logind costs
 # seconds of the one TCG vCPU at boot), no first-boot prompts (an empty /etc/machine-id makes
 # each VM its own, and would start systemd-firstboot's questions), nothing waiting for the

@@ -99,6 +99,10 @@ async def test_a_vm_desktop_conforms_and_a_restore_leaves_nothing_of_an_episode(
         try:
             assert await env.get_file("/home/user/Desktop/left.txt") is None
             assert (await env.execute(["pgrep", "-x", "xterm"])).get("returncode") == 1
+            # The guest's clock is the host's, not the moment the ready state was saved
+            # (the conformance check and three restores ago, at least): cua-clock.service.
+            guest = int((await env.execute(["date", "+%s"]))["output"])
+            assert abs(guest - time.time()) < 3, f"guest clock {guest - time.time():+.0f} s"
         finally:
             await env.close()
         await pool.release(lease.lease_id)
