@@ -57,7 +57,8 @@ from cua_rollout.vm.machine import Machine, sweep
 from cua_rollout.vm.readystate import DEFAULT_CACHE_ROOT, ReadyState, ReadyStateCache
 from cua_rollout.vm.spec import MachineSpec
 
-__all__ = ["READY_PATH", "RESET_PATH", "TOKEN_ENV", "load_spec", "main", "run"]
+__all__ = ["READY_PATH", "RESET_PATH", "TOKEN_ENV", "load_spec", "main", "parse_args",
+           "run"]
 
 RESET_PATH = "/vm/reset"
 READY_PATH = "/vm/ready"
@@ -266,7 +267,8 @@ async def run(args: argparse.Namespace) -> int:
         await machine.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The launcher's command line (a pod template's ``args`` can be checked with it)."""
     parser = argparse.ArgumentParser(prog="python -m cua_rollout.vm",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--spec", type=Path, required=True,
@@ -292,7 +294,11 @@ def main(argv: list[str] | None = None) -> int:
                       help="the guest port of VLC's HTTP interface (GET /ports)")
     gate.add_argument("--reset-timeout-s", type=float, default=120.0,
                       help=f"deadline of {RESET_PATH} until the guest's server answers again")
-    args = parser.parse_args(argv)
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     try:
         return asyncio.run(run(args))
     except VMError as exc:
