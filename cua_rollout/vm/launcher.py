@@ -7,7 +7,8 @@ QEMU dies (the pod then fails, and the pool replaces it).
     python -m cua_rollout.vm --spec spec.json [--root /run/cua-vms] [--cache DIR]
                              [--ready-path /] [--ready-timeout-s 600]
                              [--gate HOST [--token-env CUA_DESKTOP_TOKEN] [--server-port 5000]
-                              [--chromium-port 9222] [--vlc-port 8080] [--reset-timeout-s 120]]
+                              [--chromium-port 9222] [--vlc-port 8080] [--reset-timeout-s 120]
+                              [--gate-port GUEST=PORT ...]]
 
 ``spec.json`` holds ``MachineSpec``'s fields (paths as strings; ``forwards`` as
 {"guest port": host port}; ``accel``: "auto" probes KVM and falls back to TCG with one
@@ -16,7 +17,8 @@ server's guest port answers HTTP 200 on ``--ready-path``.
 
 With ``--gate HOST`` (a pod: its IP) the launcher is the pod's desktop: every forwarded guest
 port gets a gate (``gate.py``) on ``HOST`` at the same port number (5000, 9222, 8080: the
-pod's ports), forwarding to QEMU's loopback-forwarded port. The server's gate checks the
+pod's ports; ``--gate-port GUEST=PORT`` for another), forwarding to QEMU's loopback-forwarded
+port. The server's gate checks the
 bearer token from ``$CUA_DESKTOP_TOKEN`` (the variable the Kubernetes provider fills from its
 Secret) and strips it, so the token never enters the guest; it also answers
 
@@ -125,6 +127,10 @@ def _is_loopback(host: str) -> bool:
 def _check_gate_args(args: argparse.Namespace, spec: MachineSpec) -> str | None:
     """The token for ``--gate`` (taken out of this process's environment, so QEMU does not
     inherit it); ``VMError`` naming what is wrong with the gate's settings."""
+    for guest in args.gate_ports:
+        if guest not in spec.forwards:
+            raise VMError(f"--gate-port {guest}=...: {guest} is not a forwarded guest port of "
+                          f"the spec (forwards: {sorted(spec.forwards)})", permanent=True)
     if args.server_port not in spec.forwards:
         raise VMError(f"--server-port {args.server_port} is not a forwarded guest port of the "
                       f"spec (forwards: {sorted(spec.forwards)})", permanent=True)
@@ -187,18 +193,18 @@ async def _open_gates(desktop: _Desktop, args: argparse.Namespace, token: str | 
     """One gate per forwarded guest port on ``--gate`` at the same port number; the server's
     checks the token and answers the launcher's paths."""
     machine = desktop.machine
-    ports = {"chromium": args.chromium_port if args.chromium_port in machine.ports else None,
-             "vlc": args.vlc_port if args.vlc_port in machine.ports else None}
+    listen = {guest: args.gate_ports.get(guest, guest) for guest in machine.ports}
+    ports = {"chromium": listen.get(args.chromium_port), "vlc": listen.get(args.vlc_port)}
     gates = []
     try:
         for guest, host in machine.ports.items():
             if guest == args.server_port:
-                gate = TokenGate(args.gate, guest, "127.0.0.1", host, token,
+                gate = TokenGate(args.gate, listen[guest], "127.0.0.1", host, token,
                                  answers={"GET /ports": ports},
                                  handlers={f"POST {RESET_PATH}": desktop.reset},
                                  public={f"GET {READY_PATH}": desktop.ready})
             else:
-                gate = TokenGate(args.gate, guest, "127.0.0.1", host, None)
+                gate = TokenGate(args.gate, listen[guest], "127.0.0.1", host, None)
             gates.append(gate)
             await gate.start()
     except OSError as exc:
@@ -294,7 +300,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                       help="the guest port of VLC's HTTP interface (GET /ports)")
     gate.add_argument("--reset-timeout-s", type=float, default=120.0,
                       help=f"deadline of {RESET_PATH} until the guest's server answers again")
-    return parser.parse_args(argv)
+    gate.add_argument("--gate-port", metavar="GUEST=PORT", action="append", default=[],
+                      help="listen on PORT for a guest port (default: the same number)")
+    args = parser.parse_args(argv)
+    try:
+        args.gate_ports = {int(g): int(p) for g, p in
+                           (item.split("=", 1) for item in args.gate_port)}
+    except ValueError:
+        parser.error(f"--gate-port takes GUEST=PORT (two port numbers), not {args.gate_port}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
