@@ -11,11 +11,13 @@ serves all but the conformance test: a pod resets by restore (a mark made before
 after), its gate refuses a missing or wrong token and never passes the token to the guest, a
 QEMU killed in the pod fails the pod and the pool replaces it, and nothing is left after (no
 QEMU, no overlay, no socket). The conformance checker runs on the VM test image when it is
-built (``scripts/build_vm_image.sh``), else that test is skipped. Times are printed (``-s``).
+built (``scripts/build_vm_image.sh``), else that test is skipped; so does the launcher image
+(``scripts/build_vm_launcher_image.sh``) run under podman. Times are printed (``-s``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import os
@@ -427,3 +429,71 @@ def test_the_template_on_this_host_keeps_the_deploy_pods_shape(files, guest):
         assert a[key] == b[key], key
     assert "--gate=$(POD_IP)" in b["args"] and "--ready-path=/hello" in b["args"]
     assert f"--spec={files / 'spec' / 'spec.json'}" in b["args"]
+
+
+# --------------------------------------------------------------------------- the image
+
+
+def test_the_launcher_image_serves_resets_and_stops_a_vm(files, guest, tmp):
+    """The launcher image (``scripts/build_vm_launcher_image.sh``) as a pod's container would
+    run it: non-root, the volumes of the template at their mount paths, the token in its
+    env, the gate on the container's address (published on a loopback IP here). The tiny
+    guest under TCG: ready, token checked, a mark gone after ``POST /vm/reset``, a clean exit
+    on SIGTERM with no VM directory left."""
+    import subprocess
+
+    engine = shutil.which("podman")
+    tag = subprocess.run(["bash", str(REPO_ROOT / "scripts" / "build_vm_launcher_image.sh"),
+                          "--print-tag"], capture_output=True, text=True, check=True,
+                         timeout=60).stdout.strip()
+    if engine is None or subprocess.run([engine, "image", "exists", tag]).returncode != 0:
+        pytest.skip(f"the launcher image {tag} is not built "
+                    "(scripts/build_vm_launcher_image.sh)")
+    # The container's user (uid 1000) reads the guest and writes the cache and VM dirs.
+    for sub in ("guest", "spec", "states", "vms"):
+        (tmp / sub).mkdir(mode=0o777)
+        (tmp / sub).chmod(0o777)
+    for path in (guest.kernel, guest.initrd):
+        shutil.copy(path, tmp / "guest" / path.name)
+    (tmp / "spec" / "spec.json").write_text(json.dumps({
+        "image": "/images/base.qcow2", "firmware": "bios", "memory_mb": GUEST_MEMORY_MB,
+        "cpus": 1, "accel": "tcg", "kernel": f"/guest/{guest.kernel.name}",
+        "initrd": f"/guest/{guest.initrd.name}", "append": guest.cmdline,
+        "forwards": {"5000": 0}}))
+    tmp.chmod(0o755)
+    ip = "127.0.0.250"
+    name = f"cua-launcher-test-{secrets.token_hex(3)}"
+    run = [engine, "run", "-d", "--name", name, "--runtime", "runc",
+           "--ulimit", "nofile=1024:1024", "--ulimit", "nproc=4096:4096",
+           "-p", f"{ip}:5000:5000", "-e", "CUA_DESKTOP_TOKEN",
+           "-v", f"{files / 'images'}:/images:ro", "-v", f"{tmp / 'spec'}:/etc/cua-vm:ro",
+           "-v", f"{tmp / 'guest'}:/guest:ro", "-v", f"{tmp / 'states'}:/var/cache/cua-vm-states",
+           "-v", f"{tmp / 'vms'}:/run/cua-vms", tag, "--spec=/etc/cua-vm/spec.json",
+           "--root=/run/cua-vms", "--cache=/var/cache/cua-vm-states", "--ready-path=/hello",
+           "--gate=0.0.0.0"]
+    subprocess.run(run, check=True, capture_output=True, timeout=120,
+                   env={**os.environ, "CUA_DESKTOP_TOKEN": TOKEN})
+    try:
+        url = f"http://{ip}:5000"
+        with httpx.Client(timeout=10, trust_env=False) as client:
+            deadline = time.monotonic() + WAIT_S
+            while True:
+                with contextlib.suppress(httpx.HTTPError):
+                    if client.get(f"{url}{READY_PATH}").status_code == 200:
+                        break
+                assert time.monotonic() < deadline, "the launcher's VM never got ready"
+                time.sleep(0.5)
+            assert client.get(f"{url}/hello").status_code == 401
+            assert client.get(f"{url}/cgi-bin/mark", headers=_auth()).status_code == 200
+            reset = client.post(f"{url}{RESET_PATH}", headers=_auth(), timeout=120)
+            assert reset.status_code == 200, reset.text
+            assert client.get(f"{url}/mark", headers=_auth()).status_code == 404
+        subprocess.run([engine, "stop", "-t", "20", name], check=True, capture_output=True,
+                       timeout=60)
+        code = subprocess.run([engine, "inspect", name, "--format", "{{.State.ExitCode}}"],
+                              capture_output=True, text=True, check=True).stdout.strip()
+        assert code == "0"
+        assert list((tmp / "vms").iterdir()) == []
+        print(f"\nlauncher image: reset via {RESET_PATH} {reset.json()['seconds']} s")
+    finally:
+        subprocess.run([engine, "rm", "-f", "-t", "0", name], capture_output=True, timeout=60)
