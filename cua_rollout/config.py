@@ -620,6 +620,13 @@ class KubernetesDesktopsConfig(_Section):
     ``desktops.token_env``. Null: no token (a pod then accepts anyone who reaches it)."""
     token_secret_key: str = "token"
     """The key of the token in ``token_secret``."""
+    reset: Literal["builtin", "vm"] = "builtin"
+    """How a pod's desktop is reset between episodes. ``builtin``: in place, through the
+    desktop server (the windows and processes that were not there at the start closed and
+    ended, HOME restored): pods of the desktop image. ``vm``: pods that run the VM launcher
+    (``deploy/kubernetes/vm-desktop-pod.yaml``, ``docs/vm_desktops.md``) are reset by its
+    ``POST /vm/reset``, a restore of the VM's ready state. The pool's reset check follows
+    either."""
     service_per_pod: bool = False
     """Give each pod a Service and reach it by the Service's cluster DNS name instead of
     the pod's IP (the provider's Role then needs services too)."""
@@ -640,6 +647,15 @@ class KubernetesDesktopsConfig(_Section):
     other runs whose mark is older than ``heartbeat_timeout_s``."""
     heartbeat_timeout_s: PositiveFloat = 180.0
     """Age of a run's heartbeat after which its pods count as leaked."""
+
+    @model_validator(mode="after")
+    def _vm_pods_have_a_template(self) -> KubernetesDesktopsConfig:
+        if self.reset == "vm" and self.pod_template is None:
+            raise ValueError(
+                "desktops.kubernetes.reset is vm: set desktops.kubernetes.pod_template to a "
+                "pod that runs the VM launcher (deploy/kubernetes/vm-desktop-pod.yaml); a pod "
+                "of the image alone runs the desktop image's server, which /vm/reset is not")
+        return self
 
     @model_validator(mode="after")
     def _heartbeat_outlives_its_interval(self) -> KubernetesDesktopsConfig:

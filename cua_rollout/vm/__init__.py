@@ -10,6 +10,7 @@ Kubernetes pod. The desktop provider builds on it and translates its ``VMError``
     images.py      up-front checks (QEMU, image, firmware, memory)
     kvm.py         probe_kvm(): whether guests make progress under KVM here
     gate.py        TokenGate: a VM port's host side, checking the desktops' bearer token
+    launcher.py    one VM behind its gates, what a Kubernetes pod runs (python -m cua_rollout.vm)
     errors.py      VMError
 """
 

@@ -15,6 +15,11 @@ request has passed. ``token=None`` checks and strips nothing: for ports whose cl
 send a token (Chrome DevTools' /json and websocket, VLC's HTTP interface, as OSWorld's
 evaluators use them); such a gate must listen only where the run's own hosts reach it.
 
+Some requests the gate answers itself and never forwards: ``answers`` (fixed JSON, e.g. a VM's
+host-side ports at ``GET /ports``) and ``handlers`` (a coroutine's status and JSON, e.g. a
+launcher's ``POST /vm/reset``), both after the token check; ``public`` handlers before it (a
+readiness probe, which carries no token). Each such reply closes its connection.
+
 Standard library only, as all of ``cua_rollout.vm``.
 """
 
@@ -25,9 +30,13 @@ import contextlib
 import hmac
 import json
 import re
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-__all__ = ["GateStats", "TokenGate"]
+__all__ = ["GateStats", "Handler", "TokenGate"]
+
+# A request the gate answers itself: () -> (HTTP status, a JSON value for the body).
+Handler = Callable[[], Awaitable[tuple[int, object]]]
 
 _TOKEN = rb"[!#$%&'*+\-.^_`|~0-9A-Za-z]+"  # RFC 9110 token: methods and header names
 _REQUEST_LINE = re.compile(rb"(" + _TOKEN + rb") ([^\x00-\x20\x7f]+) HTTP/1\.([01])")
@@ -36,8 +45,9 @@ _BAD_VALUE = re.compile(rb"[\x00\r\n]")  # a bare CR or LF would let a lenient u
 _CHUNK_SIZE = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _HEAD_END = b"\r\n\r\n"
 _IO_BYTES = 256 * 1024  # one read of a body or of a raw stream, and the upstream's buffer
-_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized",
-            431: "Request Header Fields Too Large", 502: "Bad Gateway"}
+_REASONS = {200: "OK", 400: "Bad Request", 401: "Unauthorized", 413: "Content Too Large",
+            431: "Request Header Fields Too Large", 500: "Internal Server Error",
+            502: "Bad Gateway", 503: "Service Unavailable"}
 
 
 @dataclass(frozen=True)
@@ -130,7 +140,9 @@ class TokenGate:
                  connect_timeout_s: float = 5.0,    # to open the upstream connection
                  stall_timeout_s: float = 300.0,    # a body or reply in flight without progress
                  linger_s: float = 2.0,             # around an error reply (see _refuse)
-                 answers: dict[str, object] | None = None) -> None:
+                 answers: dict[str, object] | None = None,
+                 handlers: dict[str, Handler] | None = None,
+                 public: dict[str, Handler] | None = None) -> None:
         if token == "":
             raise ValueError("token must be a non-empty string, or None for no check")
         self.listen_host = listen_host
@@ -145,6 +157,10 @@ class TokenGate:
         # "GET /path" -> a JSON value the gate answers itself (after the token check), e.g.
         # a VM's host-side ports at /ports; the connection then closes.
         self.answers = {k.encode(): json.dumps(v).encode() for k, v in (answers or {}).items()}
+        # "POST /path" -> a coroutine giving (status, JSON value): after the token check
+        # (``handlers``) or before it (``public``: for callers that cannot send the token).
+        self.handlers = {k.encode(): v for k, v in (handlers or {}).items()}
+        self.public = {k.encode(): v for k, v in (public or {}).items()}
         self._token = token.encode() if token is not None else None
         self._server: asyncio.Server | None = None
         self._tasks: set[asyncio.Task[None]] = set()
@@ -255,14 +271,20 @@ class _Connection:
             except _Malformed as exc:
                 await self._refuse(400, str(exc))
                 return
+            route = b" ".join(head.split(b" ", 2)[:2])  # b"GET /path"
+            if (handler := gate.public.get(route)) is not None:
+                await self._handle(request, handler)
+                return
             if not gate._authorized(request.credentials):
                 gate._refused += 1
                 await self._refuse(401, "missing or wrong bearer token", authenticate=True)
                 return
-            answer = gate.answers.get(b" ".join(head.split(b" ", 2)[:2])) if gate.answers \
-                else None
+            answer = gate.answers.get(route)
             if answer is not None and not request.content_length and not request.chunked:
                 await self._reply(200, answer)
+                return
+            if (handler := gate.handlers.get(route)) is not None:
+                await self._handle(request, handler)
                 return
             if self.upstream_writer is None:
                 try:
@@ -285,6 +307,25 @@ class _Connection:
                 await self._forward_raw()
                 break
         await self._finish_upstream(self.gate.stall_timeout_s)
+
+    async def _handle(self, request: _Request, handler: Handler) -> None:
+        """Answer a request with what ``handler`` returns; its body (none is expected) is read
+        and dropped. The replies owed on this connection go out first, and the upstream is no
+        longer listened to, so a handler that restarts it (a VM's reset) does not cut this
+        connection."""
+        if request.chunked or request.content_length > self.gate.max_head_bytes:
+            await self._refuse(413, "this path takes no request body")
+            return
+        with contextlib.suppress(asyncio.IncompleteReadError):
+            async with asyncio.timeout(self.gate.stall_timeout_s):
+                await self.client_reader.readexactly(request.content_length)
+        if not await self._finish_upstream(self.gate.linger_s):
+            raise _Abort
+        try:
+            status, value = await handler()
+        except Exception as exc:  # a handler's bug is the client's 500, not a dead gate
+            status, value = 500, {"error": f"{type(exc).__name__}: {exc}"}
+        await self._reply(status, json.dumps(value).encode())
 
     async def _connect(self) -> None:
         gate = self.gate
@@ -405,7 +446,8 @@ class _Connection:
         client = self.client_writer
         if client.is_closing():
             return
-        head = (f"HTTP/1.1 {status} {_REASONS[status]}\r\nContent-Type: application/json\r\n"
+        reason = _REASONS.get(status, "Status")
+        head = (f"HTTP/1.1 {status} {reason}\r\nContent-Type: application/json\r\n"
                 f"Content-Length: {len(body)}\r\nConnection: close\r\n"
                 + ("WWW-Authenticate: Bearer\r\n" if authenticate else "") + "\r\n")
         client.write(head.encode() + body)

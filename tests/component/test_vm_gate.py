@@ -400,3 +400,66 @@ async def test_the_gate_answers_its_own_paths_after_the_token_check(make_gate, u
     assert refused.status_code == 401
     assert other.status_code == 200
     assert [r["path"] for r in upstream.seen] == ["/state"]
+
+
+async def test_handlers_answer_after_the_token_check_and_public_ones_before_it(make_gate,
+                                                                               upstream):
+    """A launcher's own paths: ``POST /vm/reset`` (a handler: the token is checked first) and
+    ``GET /vm/ready`` (public: a readiness probe carries no token). Neither reaches the
+    upstream; a body is read and dropped, a chunked one refused; a handler that raises is a
+    500 naming the error, and the gate goes on serving."""
+    calls: list[str] = []
+
+    async def reset() -> tuple[int, object]:
+        calls.append("reset")
+        return 200, {"reset": True}
+
+    async def ready() -> tuple[int, object]:
+        calls.append("ready")
+        return 503, {"ready": False, "error": "QEMU is not running"}
+
+    async def broken() -> tuple[int, object]:
+        raise RuntimeError("no VM")
+
+    async def chunks() -> AsyncIterator[bytes]:
+        yield b"a"
+        yield b"b"
+
+    gate = await make_gate(handlers={"POST /vm/reset": reset, "POST /vm/broken": broken},
+                           public={"GET /vm/ready": ready})
+    async with _client(gate) as client:
+        refused = await client.post("/vm/reset")
+        done = await client.post("/vm/reset", headers=GOOD, json={"ignored": True})
+        probe = await client.get("/vm/ready")
+        chunked = await client.post("/vm/reset", headers=GOOD, content=chunks())
+        failed = await client.post("/vm/broken", headers=GOOD)
+        other = await client.get("/state", headers=GOOD)
+    assert refused.status_code == 401
+    assert done.status_code == 200 and done.json() == {"reset": True}
+    assert done.headers["connection"] == "close"
+    assert probe.status_code == 503 and probe.json()["error"] == "QEMU is not running"
+    assert chunked.status_code == 413
+    assert failed.status_code == 500 and failed.json() == {"error": "RuntimeError: no VM"}
+    assert other.status_code == 200
+    assert calls == ["reset", "ready"]
+    assert [r["path"] for r in upstream.seen] == ["/state"]
+    assert gate.stats().refused == 1
+
+
+async def test_a_handler_that_restarts_the_upstream_keeps_its_clients_connection(make_gate,
+                                                                                 upstream):
+    """A keep-alive connection that already reached the upstream asks for a reset: the reply
+    owed comes first, then the handler runs (closing the upstream meanwhile, as a VM's
+    restore does) and its answer still reaches the client."""
+    reply_first: list[int] = []
+
+    async def reset() -> tuple[int, object]:
+        await asyncio.sleep(0.2)
+        return 200, {"reset": True}
+
+    gate = await make_gate(handlers={"POST /vm/reset": reset})
+    async with _client(gate) as client:
+        reply_first.append((await client.get("/state", headers=GOOD)).status_code)
+        done = await client.post("/vm/reset", headers=GOOD)
+    assert reply_first == [200]
+    assert done.status_code == 200 and done.json() == {"reset": True}

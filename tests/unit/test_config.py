@@ -127,7 +127,7 @@ desktops:
                image_pull_secrets: [regcred], labels: {team: agents}, token_secret: desk-token,
                token_secret_key: tok, service_per_pod: true, kubeconfig: /k/config,
                context: lab, api_timeout_s: 10, api_outage_s: 60, heartbeat_interval_s: 10,
-               heartbeat_timeout_s: 60}
+               heartbeat_timeout_s: 60, reset: vm}
   vm: {image: /vm/Ubuntu.qcow2, image_format: qcow2, firmware: uefi,
        ovmf_code: /ovmf/CODE.fd, ovmf_vars: /ovmf/VARS.fd, memory_mb: 2048, cpus: 2, accel: tcg,
        server_port: 5001, chromium_port: 9223, vlc_port: 8081, bind_host: 0.0.0.0,
@@ -195,6 +195,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
         "reset.sh",
     ]
     assert cfg.desktops.kubernetes.memory == "4Gi" and cfg.desktops.local.start_timeout_s == 30
+    assert cfg.desktops.kubernetes.reset == "vm"
     assert cfg.coordinator.schedule == "batch" and cfg.coordinator.episodes_per_runner == 16
     assert cfg.agent.call_user == "wait" and cfg.agent.history_images == 3
     assert cfg.desktops.offline is True and cfg.desktops.chromium_port == 9333
@@ -274,6 +275,8 @@ def test_misspelt_key_fails_with_its_path_and_file(tmp_path, text, key):
         ("model: {endpoints: http://x}", "model.endpoints", "list"),
         ("model: {sampling: {top_p: 1.5}}", "model.sampling.top_p", "less than or equal to 1"),
         ("desktops: {provider: vmware}", "desktops.provider", "'local'"),
+        ("desktops: {kubernetes: {reset: restore}}", "desktops.kubernetes.reset",
+         "Input should be 'builtin' or 'vm' (got 'restore')"),
     ],
 )
 def test_wrong_type_fails_with_its_path(tmp_path, text, key, fragment):
@@ -548,3 +551,16 @@ def test_the_pool_start_deadline_is_the_providers():
     assert load_config(None, ["desktops.provider=container",
                               "desktops.container.start_timeout_s=45"]
                        ).desktops.start_deadline_s == 45
+
+
+def test_kubernetes_vm_reset_needs_a_pod_template():
+    """``reset: vm`` resets pods through the VM launcher's endpoint: a pod of the image alone
+    (no template) runs the desktop image's server, which has none."""
+    with pytest.raises(ConfigError, match=r"desktops.kubernetes.reset is vm: set "
+                                          r"desktops.kubernetes.pod_template to a pod that runs "
+                                          r"the VM launcher"):
+        load_config(None, ["desktops.kubernetes.reset=vm"])
+    cfg = load_config(None, ["desktops.kubernetes.reset=vm",
+                             "desktops.kubernetes.pod_template=deploy/kubernetes/"
+                             "vm-desktop-pod.yaml"])
+    assert cfg.desktops.kubernetes.reset == "vm"

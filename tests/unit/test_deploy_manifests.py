@@ -42,7 +42,10 @@ COMPONENT = "app.kubernetes.io/component"
 OUTSIDE_KUSTOMIZATION = {"secrets.example.yaml", "rayjob.yaml"}
 EXPECTED_FILES = {"namespace.yaml", "rbac.yaml", "secrets.example.yaml", "networkpolicy.yaml",
                   "desktop-pod.yaml", "volumes.yaml", "model-pool.yaml", "run-config.yaml",
-                  "raycluster.yaml", "rayjob.yaml", "kustomization.yaml"}
+                  "raycluster.yaml", "rayjob.yaml", "kustomization.yaml",
+                  "vm-desktop-pod.yaml"}
+DESKTOP_POD = "cua-desktop-template"      # desktop-pod.yaml's Pod
+VM_DESKTOP_POD = "cua-vm-desktop-template"  # vm-desktop-pod.yaml's Pod
 
 # (apiVersion, kind) -> the client's model.
 MODELS = {
@@ -495,7 +498,7 @@ def test_the_pod_template_is_a_desktop_pod_in_the_configmap(tmp_path):
     assert template.name in in_configmap, \
         f"{template.name} is not a key of the ConfigMap cua-run-config ({sorted(in_configmap)})"
     assert (DEPLOY / template.name).is_file(), f"{template.name} is not in {DEPLOY}"
-    file, _, pod = _find("Pod")
+    file, _, pod = _find("Pod", DESKTOP_POD)
     assert file == template.name, f"the Pod document is in {file}, not {template.name}"
     containers = [c["name"] for c in pod["spec"]["containers"]]
     assert containers == ["desktop"], f"{file}: one container, named desktop (got {containers})"
@@ -514,7 +517,7 @@ def test_the_pod_template_is_a_desktop_pod_in_the_configmap(tmp_path):
 
 
 def test_the_desktop_pod_is_locked_down_and_probed_as_the_image_is():
-    pod = _doc("Pod")
+    pod = _doc("Pod", DESKTOP_POD)
     spec, container = pod["spec"], pod["spec"]["containers"][0]
     security = spec["securityContext"]
     checks = {
@@ -546,6 +549,71 @@ def test_the_desktop_pod_is_locked_down_and_probed_as_the_image_is():
         f"desktop-pod.yaml: readinessProbe must run the image's HEALTHCHECK {healthcheck}"
     assert "livenessProbe" not in container, \
         "desktop-pod.yaml: no liveness probe (a restart resets a desktop in use)"
+
+
+def _quantity_mib(text: str) -> float:
+    units = {"Ki": 1 / 1024, "Mi": 1, "Gi": 1024, "Ti": 1024 ** 2}
+    for suffix, factor in units.items():
+        if text.endswith(suffix):
+            return float(text[:-2]) * factor
+    return float(text) / 2 ** 20
+
+
+def test_the_vm_desktop_pod_runs_the_launcher_on_its_volumes_and_kvm(tmp_path):
+    """vm-desktop-pod.yaml: the launcher's command line parses and names paths on the pod's
+    volumes (the spec from the ConfigMap cua-vm-spec, the base image read-only, the cache and
+    the VMs' directory writable), its gates on the pod's IP (downward API) with the token
+    from the Secret, a readiness probe on the gate's own path, /dev/kvm from the device
+    plugin, memory above the guest's, and both files in the ConfigMap kustomize makes."""
+    from cua_rollout.envs.providers.kubernetes import load_pod_template
+    from cua_rollout.vm.launcher import READY_PATH, TOKEN_ENV, load_spec, parse_args
+
+    pod = load_pod_template(DEPLOY / "vm-desktop-pod.yaml")
+    assert pod["metadata"]["name"] == VM_DESKTOP_POD
+    container = pod["spec"]["containers"][0]
+    assert container["name"] == "desktop"
+    assert container["command"][-2:] == ["-m", "cua_rollout.vm"]
+    args = parse_args(container["args"])
+    mounts = _mounts(pod)
+
+    def volume_of(path: Path) -> tuple[str, dict[str, Any]]:
+        where = max((m for m in mounts if str(path).startswith(m + "/") or str(path) == m),
+                    key=len, default=None)
+        assert where is not None, f"vm-desktop-pod.yaml: {path} is on no volume"
+        return where, mounts[where]
+
+    assert "configMap" in volume_of(args.spec)[1], "the spec comes from a ConfigMap"
+    assert volume_of(args.spec)[1]["configMap"]["name"] == "cua-vm-spec"
+    assert volume_of(args.cache)[1].get("hostPath") or \
+        volume_of(args.cache)[1].get("persistentVolumeClaim")
+    assert "emptyDir" in volume_of(args.root)[1]
+    readonly = {m["mountPath"] for m in container["volumeMounts"] if m.get("readOnly")}
+    spec = load_spec(DEPLOY / "vm-spec.json")
+    image_mount, image_volume = volume_of(spec.image)
+    assert image_mount in readonly and image_volume["persistentVolumeClaim"]["readOnly"], \
+        "vm-desktop-pod.yaml: the base image's volume must be read-only"
+    assert args.gate == "$(POD_IP)"
+    env = {e["name"]: e for e in container["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert _env_secret(container, TOKEN_ENV) == ("cua-desktop-token", "token")
+    assert args.token_env == TOKEN_ENV
+    ports = {p["containerPort"] for p in container["ports"]}
+    assert ports == set(spec.forwards) and args.server_port in ports
+    probe = container["readinessProbe"]["httpGet"]
+    assert (probe["path"], probe["port"]) == (READY_PATH, args.server_port)
+    assert "livenessProbe" not in container
+    limits, requests = container["resources"]["limits"], container["resources"]["requests"]
+    assert limits.get("devices.kubevirt.io/kvm") == "1"
+    assert _quantity_mib(requests["memory"]) >= spec.memory_mb + 512, \
+        "vm-desktop-pod.yaml: the memory request must exceed the guest's memory_mb"
+    assert pod["spec"]["securityContext"]["runAsNonRoot"] is True
+    kustomization = yaml.safe_load((DEPLOY / "kustomization.yaml").read_text(encoding="utf-8"))
+    generated = {g["name"]: g["files"] for g in kustomization["configMapGenerator"]}
+    assert "vm-desktop-pod.yaml" in generated["cua-run-config"]
+    assert generated["cua-vm-spec"] == [f"{args.spec.name}=vm-spec.json"]
+    # The run config's keys for VM pods load.
+    load_config(None, ["desktops.kubernetes.reset=vm",
+                       "desktops.kubernetes.pod_template=/config/vm-desktop-pod.yaml"])
 
 
 # --------------------------------------------------------------------------- network
@@ -586,7 +654,7 @@ def _admitted(peers: list[dict], labels: dict[str, str]) -> bool:
 
 def test_only_the_ray_pods_reach_the_desktops(tmp_path):
     cfg = _run_config(tmp_path)
-    pod_labels = _doc("Pod")["metadata"]["labels"]
+    pod_labels = _doc("Pod", DESKTOP_POD)["metadata"]["labels"]
     assert pod_labels.get(COMPONENT) == "desktop" and pod_labels.get(PART_OF) == "cua-rollout", \
         f"desktop-pod.yaml: metadata.labels must have {COMPONENT}: desktop and {PART_OF}: " \
         f"cua-rollout (got {pod_labels})"
@@ -618,7 +686,8 @@ def test_only_the_ray_pods_reach_the_model_pool():
     assert ports == {("TCP", 8000)}
     for group, template in _ray_pods().items():
         assert _admitted(peers, template["metadata"]["labels"]), f"Ray {group} pods"
-    assert not _admitted(peers, _doc("Pod")["metadata"]["labels"]), "desktops reach the model"
+    assert not _admitted(peers, _doc("Pod", DESKTOP_POD)["metadata"]["labels"]), \
+        "desktops reach the model"
 
 
 # --------------------------------------------------------------------------- model pool
@@ -700,8 +769,8 @@ def test_the_kustomization_lists_files_that_exist():
     resources = kustomization["resources"]
     missing = [r for r in resources if not (DEPLOY / r).is_file()]
     assert not missing, f"kustomization.yaml: resources that do not exist: {missing}"
-    generated = [f for g in kustomization.get("configMapGenerator") or []
-                 for f in g.get("files") or []]
+    generated = [f.rsplit("=", 1)[-1] for g in kustomization.get("configMapGenerator") or []
+                 for f in g.get("files") or []]  # "key=file": the file
     missing = [f for f in generated if not (DEPLOY / f).is_file()]
     assert not missing, f"kustomization.yaml: configMapGenerator files missing: {missing}"
     wrong = sorted(set(resources) & (OUTSIDE_KUSTOMIZATION | set(generated)))

@@ -166,3 +166,28 @@ def test_template_and_config_errors_name_the_key(tmp_path):
     with pytest.raises(ConfigError, match="names no image"):
         KubernetesProvider(DesktopsConfig(provider="kubernetes",
                                           kubernetes={"pod_template": str(bare)}))
+
+
+def test_a_vm_pod_keeps_its_launcher_probe_ports_and_kvm_device(tmp_path):
+    """``reset: vm`` with deploy/kubernetes/vm-desktop-pod.yaml: the config sets CPU, memory,
+    the server's port and the token over the template, and keeps what the VM launcher needs:
+    its command and args, the kvm device resource, the DevTools and VLC ports, the readiness
+    probe on the gate's own path, the downward-API pod IP."""
+    from tests.support import REPO_ROOT
+
+    template = REPO_ROOT / "deploy" / "kubernetes" / "vm-desktop-pod.yaml"
+    cfg = DesktopsConfig(provider="kubernetes", token_env="DESK_TOKEN", kubernetes={
+        "pod_template": str(template), "token_secret": "desk-token", "reset": "vm",
+        "image": "reg/launcher:1", "cpu": "2", "memory": "6Gi"})
+    pod = KubernetesProvider(cfg).pod_manifest("cua-r1-0-ab12", 0)
+    box = pod["spec"]["containers"][0]
+    assert box["image"] == "reg/launcher:1"
+    assert box["command"][-2:] == ["-m", "cua_rollout.vm"] and "--gate=$(POD_IP)" in box["args"]
+    assert box["resources"]["limits"] == {"cpu": "2", "memory": "6Gi",
+                                          "devices.kubevirt.io/kvm": "1"}
+    assert box["resources"]["requests"] == {"cpu": "2", "memory": "6Gi"}
+    assert sorted(p["containerPort"] for p in box["ports"]) == [5000, 8080, 9222]
+    assert box["readinessProbe"]["httpGet"]["path"] == "/vm/ready"
+    env = {e["name"]: e for e in box["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+    assert env["CUA_DESKTOP_TOKEN"]["valueFrom"]["secretKeyRef"]["name"] == "desk-token"

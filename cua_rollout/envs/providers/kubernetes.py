@@ -24,6 +24,13 @@ stop, pods of other runs are swept when their heartbeat is older than
 ``heartbeat_timeout_s``, or at once when their process was on this host and is gone (a driver
 killed with SIGKILL leaves nothing after the next start). Pods of a live run are never swept.
 
+Resets (``reset``): ``builtin`` resets a desktop-image pod in place through its server;
+``vm`` is for pods that run the VM launcher (``deploy/kubernetes/vm-desktop-pod.yaml``: QEMU
+in the pod, its base image from a volume, ``/dev/kvm`` from the node), reset by the launcher's
+``POST /vm/reset`` (a restore of the VM's ready state, answered once the guest serves again;
+``cua_rollout/vm/launcher.py``). The pool's reset check follows either. A launcher whose QEMU
+dies exits, so its pod fails and is replaced like any failed pod.
+
 One file on purpose: a provider is one file (providers/__init__.py); what it shares with
 the others is in providers/base.py.
 """
@@ -46,12 +53,15 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import httpx2
 import yaml
 from urllib3.exceptions import HTTPError
 
-from cua_rollout.config import DesktopsConfig
+from cua_rollout.config import DesktopsConfig, secret_from_env
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import ConfigError, DesktopError
+from cua_rollout.core.http import error_text
+from cua_rollout.envs.client import shared_client
 from cua_rollout.envs.providers.base import (
     LABEL_DESKTOP,
     LABEL_OWNER,
@@ -65,6 +75,7 @@ from cua_rollout.envs.providers.base import (
     server_answers,
     wait_serving,
 )
+from cua_rollout.vm.launcher import RESET_PATH
 
 __all__ = [
     "HEARTBEAT_ANNOTATION",
@@ -406,10 +417,16 @@ class KubernetesProvider(DesktopProvider):
         box = next((c for c in containers if c.get("name") == CONTAINER_NAME), containers[0])
         if k.image:
             box["image"] = k.image
-        box["resources"] = {**(box.get("resources") or {}),
-                            "requests": {"cpu": k.cpu, "memory": k.memory},
-                            "limits": {"cpu": k.cpu, "memory": k.memory}}
-        box["ports"] = [{"name": "desktop", "containerPort": k.port, "protocol": "TCP"}]
+        # CPU and memory from the config; the template's other resources kept (a VM pod's
+        # devices.kubevirt.io/kvm).
+        resources = box.get("resources") or {}
+        box["resources"] = {**resources, **{
+            side: {**(resources.get(side) or {}), "cpu": k.cpu, "memory": k.memory}
+            for side in ("requests", "limits")}}
+        # The server's port, and the template's others (a VM pod's DevTools and VLC gates).
+        box["ports"] = [{"name": "desktop", "containerPort": k.port, "protocol": "TCP"}] + [
+            p for p in box.get("ports") or []
+            if p.get("containerPort") != k.port and p.get("name") != "desktop"]
         env = {e.get("name"): e for e in box.get("env") or []}
         for var, value in (("SCREEN_WIDTH", str(self.cfg.screen_width)),
                            ("SCREEN_HEIGHT", str(self.cfg.screen_height)),
@@ -458,7 +475,9 @@ class KubernetesProvider(DesktopProvider):
                                poll_s=0.2)
             return desktop
 
-        return await bring_up(self, self.cfg, name, started, serving)
+        # A VM pod is reset by a restore: no baseline for the builtin reset to take.
+        return await bring_up(self, self.cfg, name, started, serving,
+                              baseline=self.kcfg.reset == "builtin")
 
     async def _wait_ready(self, name: str, started: float) -> str:
         """The pod's URL once it is ready, by the watch's events; ``DesktopError`` naming
@@ -504,8 +523,29 @@ class KubernetesProvider(DesktopProvider):
             problem = pod_problem(pod) if pod else None
             raise DesktopError(f"{desktop.id}: the pod is not ready"
                                + (f" ({problem[0]})" if problem else ""))
-        await builtin_reset(self.cfg, desktop)
-        desktop.info["last_reset"] = {"how": "in place", "seconds": time.monotonic() - began}
+        if self.kcfg.reset == "vm":
+            await self._vm_reset(desktop)
+            how = "restore"
+        else:
+            await builtin_reset(self.cfg, desktop)
+            how = "in place"
+        desktop.info["last_reset"] = {"how": how, "seconds": time.monotonic() - began}
+
+    async def _vm_reset(self, desktop: Desktop) -> None:
+        """``POST /vm/reset`` to the pod's VM launcher, with the token: it answers once the
+        restored guest's server answers; any other answer is a ``DesktopError`` saying why."""
+        token = secret_from_env(self.cfg.token_env, "desktops.token_env")
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        try:
+            reply = await shared_client(self.cfg.max_connections).post(
+                desktop.url + RESET_PATH, headers=headers,
+                timeout=httpx2.Timeout(self.cfg.reset_timeout_s))
+        except httpx2.HTTPError as exc:
+            raise DesktopError(f"{desktop.id}: POST {RESET_PATH} failed: "
+                               f"{type(exc).__name__}: {exc}") from exc
+        if reply.status_code != 200:
+            raise DesktopError(f"{desktop.id}: POST {RESET_PATH} answered HTTP "
+                               f"{reply.status_code}: {error_text(reply, 500)}")
 
     async def stop(self, desktop: Desktop) -> None:
         if desktop.id not in self._mine:
