@@ -271,3 +271,17 @@ def vm_test_guest():
     if not Path("/bin/busybox").exists():
         unavailable("busybox-static is not installed (scripts/setup_env.sh --vm)")
     return build_test_guest()
+
+
+def qemu_children(parent: int | None = None) -> list[Any]:
+    """The live QEMU processes under ``parent`` (this process), by their command line: QEMU
+    names its process ``cua-vm`` (``-name ...,process=``), so ``name()`` does not show it."""
+    import psutil
+
+    found = []
+    for proc in psutil.Process(parent).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if proc.status() != psutil.STATUS_ZOMBIE and Path(
+                    (proc.cmdline() or [""])[0]).name.startswith("qemu-system"):
+                found.append(proc)
+    return found

@@ -47,7 +47,7 @@ from cua_rollout.vm.launcher import READY_PATH, RESET_PATH
 from tests.doubles.kube_api import KubeAPIServer
 from tests.doubles.kubelet import ProcessKubelet
 from tests.doubles.vm_guest import SCREEN_HEIGHT, SCREEN_WIDTH, TestGuest, make_base_disk
-from tests.support import REPO_ROOT, until, vm_test_guest
+from tests.support import REPO_ROOT, qemu_children, until, vm_test_guest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -91,18 +91,8 @@ def no_qemu_left(monkeypatch) -> Iterator[None]:
     assert left == [], f"QEMU processes left: {left}"
 
 
-def _is_qemu(proc: psutil.Process) -> bool:
-    # By the command line: QEMU names its process "cua-vm" (-name ...,process=), so
-    # psutil's name() is not "qemu-system-...".
-    try:
-        return proc.status() != psutil.STATUS_ZOMBIE and Path(
-            (proc.cmdline() or [""])[0]).name.startswith("qemu-system")
-    except psutil.Error:
-        return False
-
-
 def _qemus(parent: int | None = None) -> list[int]:
-    return [p.pid for p in psutil.Process(parent).children(recursive=True) if _is_qemu(p)]
+    return [p.pid for p in qemu_children(parent)]
 
 
 def on_this_host(template: Path, where: dict[str, Path], args: dict[str, str],

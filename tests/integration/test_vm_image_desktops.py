@@ -17,14 +17,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psutil
 import pytest
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.envs.checker import check_desktop_env
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.runtime.pool import DesktopPool
-from tests.support import REPO_ROOT, unavailable
+from tests.support import REPO_ROOT, qemu_children, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -55,8 +54,7 @@ def state_dir() -> Iterator[Path]:
 
 
 def _qemus() -> list[int]:
-    return [p.pid for p in psutil.Process().children(recursive=True)
-            if p.name().startswith("qemu-system")]
+    return [p.pid for p in qemu_children()]
 
 
 def _cfg(image: Path, state_dir: Path, **kw) -> DesktopsConfig:
