@@ -378,7 +378,7 @@ async def run(args: argparse.Namespace, console: Any) -> dict[str, Any]:
             "machine_busy_s": _round(busy),
             "machine_utilization": _round(busy / (wall * (psutil.cpu_count() or 1)), 3),
         }
-        stats = pool.stats()
+        stats = pool.stats(detail=True)
         report["pool"] = {k: stats[k] for k in ("leases", "resets", "reset_failures",
                                                 "verify_failures", "quarantined", "replaced",
                                                 "lease_timeouts", "reset_s_median",

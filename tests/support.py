@@ -84,10 +84,10 @@ async def release_and_check(pool: Any, leases: list[Any], timeout_s: float = 30.
     for lease in leases:
         await pool.release(lease.lease_id)
     deadline = time.monotonic() + timeout_s
-    while pool.stats()["free"] < len(pool.stats()["desktops"]):
+    while pool.stats()["free"] < len(pool.stats(detail=True)["desktops"]):
         assert time.monotonic() < deadline, "the resets did not finish"
         await asyncio.sleep(0.1)
-    stats = pool.stats()
+    stats = pool.stats(detail=True)
     assert stats["verify_failures"] == 0, [d["last_error"] for d in stats["desktops"]]
 
 

@@ -227,13 +227,16 @@ class DesktopPool:
             await self.release(lease_id, healthy)
         return len(ids)
 
-    def stats(self) -> dict[str, Any]:
-        by_state = {s: 0 for s in ("starting", "free", "leased", "resetting", "quarantined")}
-        for d in self._desktops.values():
-            if d.state in by_state:
-                by_state[d.state] += 1
-        resets = sorted(self.reset_durations_s)
-        return {
+    def stats(self, detail: bool = False) -> dict[str, Any]:
+        """Counts by state, waits, failures and reset times: O(1) in the number of desktops
+        (the coordinator asks every second; the counts are the state clock's, kept at every
+        change). ``detail``: also one row per desktop (``desktops``), for tests and tools;
+        operators' rows are ``describe()``."""
+        counts = self.state_clock.counts()
+        by_state = {s: counts.get(s, 0)
+                    for s in ("starting", "free", "leased", "resetting", "quarantined")}
+        resets = sorted(self.reset_durations_s)  # bounded windows (_RESET_WINDOW)
+        stats = {
             **by_state,
             "state_s": {k: round(v, 3) for k, v in self.state_clock.totals().items()},
             "waiting": len(self._waiters),
@@ -245,12 +248,14 @@ class DesktopPool:
             "verify_s_median": (sorted(self.verify_durations_s)[len(self.verify_durations_s)
                                                                 // 2]
                                 if self.verify_durations_s else None),
-            "desktops": [
+        }
+        if detail:
+            stats["desktops"] = [
                 {"id": d.id, "url": d.url, "state": d.state, "leases": d.leases,
                  "failures": d.failures, "last_error": d.last_error}
                 for d in self._desktops.values()
-            ],
-        }
+            ]
+        return stats
 
     # ----------------------------------------------------------------- operators
 

@@ -68,6 +68,29 @@ async def test_a_pool_that_starts_no_desktop_says_why(error):
         assert str(raised.value).startswith("no desktop could be started: ")
 
 
+async def test_stats_counts_are_kept_at_each_change_and_rows_only_on_request(make_pool):
+    """``stats()`` is asked every second: its counts come from the state clock, kept at
+    every state change, and equal a recount of the desktops through leases, resets, a
+    quarantine and its replacement; rows per desktop only with ``detail``."""
+    provider = FakeProvider(reset_s=0.01)
+    provider.fail_reset.add("fake-1")
+    pool = await make_pool(provider, count=3)
+
+    def recount() -> dict[str, int]:
+        rows = pool.stats(detail=True)["desktops"]
+        # ("quarantined" in stats() is the count of quarantines so far, a counter)
+        return {s: sum(r["state"] == s for r in rows)
+                for s in ("starting", "free", "leased", "resetting")}
+
+    assert "desktops" not in pool.stats()
+    leases = [await pool.lease(f"o{i}") for i in range(3)]
+    assert {k: pool.stats()[k] for k in recount()} == recount()
+    for lease in leases:
+        await pool.release(lease.lease_id)
+    await until(lambda: pool.stats()["free"] == 3 and pool.stats()["replaced"] >= 1)
+    assert {k: pool.stats()[k] for k in recount()} == recount()
+
+
 async def test_capacity_limits_the_pool(make_pool):
     pool = await make_pool(FakeProvider(capacity=2), count=3, warm_spares=2)
     assert pool.stats()["free"] == 2

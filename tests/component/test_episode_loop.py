@@ -211,8 +211,8 @@ async def test_an_unsupported_setup_step_is_not_retried_and_leaves_the_desktop_h
     assert (result.status, result.retryable) == ("infra_error", False)
     assert "'googledrive'" in result.error and "desktops.accounts_dir" in result.error
     await asyncio.sleep(0.05)
-    assert world.pool.stats()["desktops"][0]["state"] == "free"
-    assert world.pool.stats()["desktops"][0]["failures"] == 0  # released healthy
+    assert world.pool.stats(detail=True)["desktops"][0]["state"] == "free"
+    assert world.pool.stats(detail=True)["desktops"][0]["failures"] == 0  # released healthy
 
 
 async def test_a_model_that_rejects_the_request_is_not_retried(make_world):

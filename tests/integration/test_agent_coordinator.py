@@ -135,7 +135,7 @@ def test_a_killed_desktop_server_is_an_infra_error_retried_on_another_desktop(lo
             ray.get(actors.coordinator.submit.remote(loader.poll()))
 
             def leased() -> dict[str, Any] | None:
-                stats = ray.get(actors.pool.stats.remote())
+                stats = ray.get(actors.pool.stats.remote(detail=True))
                 busy = [d for d in stats["desktops"] if d["state"] == "leased"]
                 steps = ray.get(actors.coordinator.stats.remote()).get("steps", 0)
                 return busy[0] if busy and steps >= 1 else None

@@ -89,7 +89,7 @@ async def test_the_builtin_reset_restores_a_vm_and_passes_the_check(vm, tmp_path
             env = await _dirty(lease.url, pool.cfg)
             await pool.release(lease.lease_id)
             await _reset_done(pool)
-            stats = pool.stats()
+            stats = pool.stats(detail=True)
             assert stats["free"] == 1 and stats["verify_failures"] == 0, stats
             assert stats["desktops"][0]["last_error"] is None
             out = (await env.execute(["sh", "-c", "ls -A ~ | sort; wmctrl -l; "
@@ -111,7 +111,7 @@ async def test_a_reset_that_leaves_things_behind_is_quarantined_and_counted(vm, 
         await _dirty(lease.url, pool.cfg)
         await pool.release(lease.lease_id)
         await _reset_done(pool)
-        stats = pool.stats()
+        stats = pool.stats(detail=True)
         assert stats["quarantined"] == 1 and stats["verify_failures"] == 1, stats
         error = stats["desktops"][0]["last_error"]
         assert "initial state" in error
