@@ -14,11 +14,11 @@ import uuid
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 __all__ = ["DirectoryLock", "JsonLine", "LockHeld", "append_text", "fsync_dir", "iter_jsonl",
-           "iter_jsonl_lines",
-           "read_json", "repair_jsonl_tail", "write_atomic"]
+           "iter_jsonl_lines", "read_json", "repair_jsonl_tail", "replace_atomic",
+           "write_atomic"]
 
 # How much of a JSONL file's end is read at a time to find its last newline.
 _TAIL_CHUNK_BYTES = 64 * 1024
@@ -54,6 +54,29 @@ def write_atomic(path: Path, data: bytes, *, fsync: bool = False, mode: int = 0o
             os.remove(tmp)
         raise
     return mtime_ns
+
+
+@contextlib.contextmanager
+def replace_atomic(path: Path, *, fsync: bool = False, mode: int = 0o644
+                   ) -> Iterator[BinaryIO]:
+    """``write_atomic`` for content written as a stream (a file too big to hold): a binary
+    file under a temporary name that replaces ``path`` when the block ends, or is removed
+    when it raises. A reader never sees half a file."""
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        with os.fdopen(fd, "wb") as f:
+            yield f
+            if fsync:
+                f.flush()
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+        if fsync:
+            fsync_dir(path.parent)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 def fsync_dir(directory: Path) -> None:

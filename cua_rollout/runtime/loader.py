@@ -10,15 +10,15 @@ Never touches Ray or desktops: ``TaskLoader.poll()`` is plain file I/O on the dr
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import BenchmarkConfig, TasksConfig
-from cua_rollout.core.files import iter_jsonl_lines
+from cua_rollout.core.files import JsonLine, iter_jsonl_lines
 from cua_rollout.core.layout import RESULTS_FILE
 from cua_rollout.core.types import EpisodeSpec
-from cua_rollout.runtime.sampling import SamplingPlan
+from cua_rollout.runtime.sampling import ResultLine, SamplingPlan
 from cua_rollout.runtime.task_sources import (
     BenchmarkSource,
     SourceTask,
@@ -61,6 +61,8 @@ class TaskLoader:
     in with ``record_result``). With ``poll_interval_s == 0`` the source is read once; in
     service mode ``poll(refresh=True)`` re-reads it (only files whose mtime or size changed)
     and adds what is new. ``problems`` lists the tasks that could not be loaded right now.
+    What it holds and what a poll costs stay flat however long a service run goes on: the
+    plan keeps the groups not final yet and counters, results.jsonl is read as a stream.
     """
 
     def __init__(self, cfg: TasksConfig, run_dir: Path,
@@ -101,16 +103,15 @@ class TaskLoader:
         source first (the first poll always reads it; later ones only in service mode)."""
         if not self._polled or (refresh and self._service):
             self._refresh()
-            self.plan.changed()
         self._polled = True
-        return self.plan.hand_out(self._tasks)
+        return self.plan.hand_out()
 
     def exhausted(self) -> bool:
         """Nothing more will be handed out: not a service, every pass of every task
         planned and handed out (results may still be coming)."""
         if self._service or not self._polled:
             return False
-        return self.plan.exhausted(self._tasks)
+        return self.plan.exhausted()
 
     def record_result(self, record: dict[str, Any]) -> None:
         """An episode is final (a results.jsonl record): the plan hears of it."""
@@ -126,11 +127,11 @@ class TaskLoader:
 
     def total_known(self) -> int:
         """Episodes of all tasks known so far, finished ones included (the progress total)."""
-        return self.plan.total_known(self._tasks)
+        return self.plan.total_known()
 
     def finished_before(self) -> int:
         """Episodes of known tasks already in ``results.jsonl`` when the loader started."""
-        return self.plan.finished_of(self._tasks)
+        return self.plan.finished()
 
     # ----------------------------------------------------------------- internals
 
@@ -163,6 +164,7 @@ class TaskLoader:
                 continue
             unique.append(t)
         self._tasks = unique
+        self.plan.set_tasks(unique)
         self._problems = problems
         for problem in problems:
             if problem not in self._logged:
@@ -182,29 +184,31 @@ class TaskLoader:
         return cached[1]
 
     def _read_results(self) -> None:
-        """Resume: each episode's last line in results.jsonl (a rerun's line supersedes an
-        earlier one) goes to the plan (``SamplingPlan.resume``). Read as a stream: what is
-        kept is the last status, reward and group per episode, not the records."""
+        """Resume: results.jsonl goes to the plan line by line as it is read
+        (``SamplingPlan.resume``), so a long run's file is never held whole, nor an entry
+        per episode: the plan keeps the groups not final yet and counts the others."""
         path = self.run_dir / RESULTS_FILE
-        last: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]] = {}
         try:
             with open(path, encoding="utf-8", errors="replace") as f:
-                for line in iter_jsonl_lines(f):
-                    record = line.value
-                    try:
-                        if line.error is not None:
-                            raise line.error
-                        key = self._episode_key(record)
-                    except (KeyError, TypeError, ValueError) as exc:
-                        # A crash can cut the last line short; that episode simply runs again.
-                        logger.warning("%s:%d: unreadable result line skipped (%s)", path,
-                                       line.number, exc)
-                        continue
-                    last[key] = (record.get("status"), record.get("reward"),
-                                 record.get("pass_index"), record.get("group_size"))
+                self.plan.resume(path, self._result_lines(path, iter_jsonl_lines(f)))
         except FileNotFoundError:
             return
-        self.plan.resume(path, last)
+
+    def _result_lines(self, path: Path, lines: Iterable[JsonLine]) -> Iterator[ResultLine]:
+        """What the plan reads of each line; a line that names no episode is skipped."""
+        for line in lines:
+            record = line.value
+            try:
+                if line.error is not None:
+                    raise line.error
+                key = self._episode_key(record)
+            except (KeyError, TypeError, ValueError) as exc:
+                # A crash can cut the last line short; that episode simply runs again.
+                logger.warning("%s:%d: unreadable result line skipped (%s)", path,
+                               line.number, exc)
+                continue
+            yield (key, record.get("status"), record.get("reward"),
+                   record.get("pass_index"), record.get("group_size"))
 
     @staticmethod
     def _episode_key(record: Any) -> tuple[str, str, int]:

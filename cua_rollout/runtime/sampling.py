@@ -1,14 +1,25 @@
 """The sampling plan of a run: which rollouts of which task start when. Each task is sampled
 ``tasks.passes`` times, one group of rollouts per pass, planned once its previous group is
 final; a group's size is ``rollouts_per_task`` or DART's dynamic number from the task's recent
-success, and the checkpoint barrier may hold new groups. Task sources are the loader's."""
+success, and the checkpoint barrier may hold new groups. Task sources are the loader's.
+
+What the plan holds stays flat however long a service run (``passes: 0``) goes on: per task,
+its groups not final yet (the rollouts handed out and finished of each) and counters. A group
+whose rollouts are all final is dropped; its rollouts live on in the counters. So a hand-out
+looks at each task's open groups only, ``total_known`` is kept up to date as results come in
+rather than recounted, and a resumed run's results.jsonl is fed in line by line (``resume``)
+with no more memory than that.
+
+Rollout ``i`` of pass ``p`` is rollout number ``p * rollouts_per_task + i`` (its directory), so
+a rollout's pass is ``rollout // rollouts_per_task`` and a resumed run finds each group again.
+"""
 
 from __future__ import annotations
 
 import logging
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -16,13 +27,17 @@ from cua_rollout.config import TasksConfig
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.core.types import SCORED_STATUSES, EpisodeSpec
 
-__all__ = ["SamplingPlan", "TaskRef", "dynamic_rollout_n"]
+__all__ = ["ResultLine", "SamplingPlan", "TaskRef", "dynamic_rollout_n"]
 
 logger = logging.getLogger(__name__)
 
 # int(9/sr - 7) must not drop a whole rollout to float error (9/0.6 is 15.000000000000002
 # but other rates land just below an integer).
 _FORMULA_EPS = 1e-9
+
+# One results.jsonl line as the plan reads it: ((domain, task_id, rollout), status, reward,
+# pass_index, group_size), the last three as the line has them (None when it has not).
+ResultLine = tuple[tuple[str, str, int], Any, Any, Any, Any]
 
 
 def dynamic_rollout_n(success_rate: float, *, threshold: float, min_n: int) -> int | None:
@@ -44,68 +59,138 @@ class TaskRef(Protocol):
     def task(self) -> dict[str, Any]: ...
 
 
+class _Group:
+    """A planned pass of one task that is not final yet. ``done`` holds the final rollouts
+    of the pass's stride (those of an older, bigger plan too: a resumed run from before
+    passes); ``final`` counts those that are the group's own."""
+
+    __slots__ = ("done", "final", "handed", "pass_index", "pending", "size", "start")
+
+    def __init__(self, pass_index: int, size: int, start: int, done: set[int]) -> None:
+        self.pass_index = pass_index
+        self.size = size
+        self.start = start
+        self.done = done
+        self.final = sum(1 for r in done if start <= r < start + size)
+        self.handed: set[int] = set()
+        self.pending = True  # it may have rollouts to hand out
+
+    def rollouts(self) -> range:
+        return range(self.start, self.start + self.size)
+
+    def owns(self, rollout: int) -> bool:
+        return self.start <= rollout < self.start + self.size
+
+
+class _Task:
+    """One task's part of the plan: its open groups and counters."""
+
+    __slots__ = ("ahead", "current", "done", "known", "next_pass", "open", "outside",
+                 "planned", "planned_rollouts", "rewards")
+
+    def __init__(self) -> None:
+        self.open: dict[int, _Group] = {}      # pass -> its group, while not final
+        # Final rollouts of passes not planned (yet): a resumed run from before passes, or a
+        # result for a rollout never handed out. Empty in a run that planned all it ran.
+        self.ahead: dict[int, set[int]] = {}
+        self.planned = 0            # passes planned (open or final)
+        self.planned_rollouts = 0   # their rollouts
+        self.next_pass = 0          # one more than the newest planned pass
+        self.done = 0               # final rollouts
+        self.outside = 0            # final rollouts outside every planned group
+        self.known = 0              # total_known()'s share, as of the last change
+        self.current = False        # among the tasks of the last set_tasks()
+        self.rewards: deque[float] | None = None
+
+
 class SamplingPlan:
-    """The groups planned, handed out and finished per task (``<domain>/<task_id>``), the
-    success-rate windows, and the barrier. Rollout ``i`` of pass ``p`` is rollout number
-    ``p * rollouts_per_task + i`` (its directory), so a resumed run finds each group again.
-    ``barrier`` (newest checkpoint first) is asked before a hand-out plans new groups: None
-    lets them start, a reason holds them (``waiting`` says it)."""
+    """The groups planned, handed out and finished per task, the success-rate windows, and
+    the barrier, for the tasks of the last ``set_tasks``. ``barrier`` (newest checkpoint
+    first) is asked before a hand-out plans new groups: None lets them start, a reason holds
+    them (``waiting`` says it).
+
+    A pass below a task's newest planned one that has no open group is final: a result for
+    one of its rollouts is a repeat and changes nothing (a run never hands such a rollout out
+    again), except on ``resume``, where a line that makes it not final (an ``infra_error``
+    to rerun) opens the group again."""
 
     def __init__(self, cfg: TasksConfig,
                  barrier: Callable[[], str | None] | None = None) -> None:
         self.cfg = cfg
-        self._handed_out: dict[str, set[int]] = {}
-        self._finished: dict[str, set[int]] = {}
-        self._planned: dict[str, dict[int, int]] = {}  # task -> {pass: group size}
-        self._rewards: dict[str, deque[float]] = {}
+        self._stride = cfg.rollouts_per_task
+        self._tasks: dict[tuple[str, str], _Task] = {}
+        self._order: list[tuple[TaskRef, _Task]] = []  # the tasks of set_tasks, in order
+        self._known = 0                                  # total_known(), kept on change
         self._barrier = barrier
         self._barrier_since: float | None = None
         self.waiting: str | None = None  # why new groups are held (the barrier), or None
-        # total_known() between changes: the driver asks twice a second, a week long (L2).
-        self._total: int | None = None
 
-    def changed(self) -> None:
-        """The tasks changed: the total is computed again."""
-        self._total = None
+    # ----------------------------------------------------------------- the tasks
 
-    def hand_out(self, tasks: Iterable[TaskRef]) -> list[EpisodeSpec]:
+    def set_tasks(self, tasks: Sequence[TaskRef]) -> None:
+        """The tasks to sample from now on, in hand-out order (the loader's, after each read
+        of its source)."""
+        for _, state in self._order:
+            state.current = False
+        self._order = []
+        for t in tasks:
+            state = self._state(t.domain, t.task_id)
+            state.current = True
+            self._order.append((t, state))
+        self._known = sum(state.known for _, state in self._order)
+
+    def hand_out(self) -> list[EpisodeSpec]:
         """Episodes to start now: rollouts of groups already planned (a resumed run's), and
-        the next group of each task whose groups so far are final."""
+        the next group of each task whose groups so far are final. Looks at each task's open
+        groups only."""
         specs: list[EpisodeSpec] = []
         may_plan: bool | None = None  # the barrier, asked once per poll and only if needed
-        for t in tasks:
-            group = f"{t.domain}/{t.task_id}"
-            done = self._finished.setdefault(group, set())
-            handed = self._handed_out.setdefault(group, set())
-            planned = self._planned.setdefault(group, {})
-            if self._more_passes(planned) and all(
-                    set(self._rollouts(p, n)) <= done for p, n in planned.items()):
+        for t, state in self._order:
+            if not state.open and self._more_passes(state):
                 if may_plan is None:
                     may_plan = self._may_plan()
                 if may_plan:
-                    planned[max(planned, default=-1) + 1] = self.rollouts_for(t.task_id,
-                                                                              t.domain)
-                    self._total = None
-            for p, n in planned.items():
-                for rollout in self._rollouts(p, n):
-                    if rollout in handed or rollout in done:
-                        continue
-                    handed.add(rollout)
-                    specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task,
-                                             pass_index=p, group_size=n))
+                    self._plan(state, state.next_pass, self._rollouts_for(state))
+                    self._update(state)
+            for group in state.open.values():
+                if group.pending:
+                    specs.extend(self._hand_out_group(t, group))
         return specs
 
-    def exhausted(self, tasks: Iterable[TaskRef]) -> bool:
+    def exhausted(self) -> bool:
         """Every pass of every task planned and handed out."""
-        for t in tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            if self._more_passes(planned):
+        for _, state in self._order:
+            if self._more_passes(state):
                 return False
-            handed = self._handed_out.get(group, set()) | self._finished.get(group, set())
-            if any(not set(self._rollouts(p, n)) <= handed for p, n in planned.items()):
-                return False
+            for group in state.open.values():
+                if any(r not in group.handed and r not in group.done
+                       for r in group.rollouts()):
+                    return False
         return True
+
+    def total_known(self) -> int:
+        """Episodes of the tasks, finished ones included (the progress total): the groups
+        planned, final rollouts outside them, and for passes not planned yet the rollout
+        number each task gets now (with passes: 0, only what is planned). Kept up to date as
+        things change, so asking costs nothing."""
+        return self._known
+
+    def finished(self) -> int:
+        """Episodes of the tasks finished so far."""
+        return sum(state.done for _, state in self._order)
+
+    def held(self) -> dict[str, int]:
+        """What the plan holds in memory: tasks, open groups, and the rollouts remembered one
+        by one (those of open groups, handed out or final, and final ones ahead of their
+        pass). Flat over a service run's life; everything else is counters."""
+        groups = rollouts = 0
+        for state in self._tasks.values():
+            groups += len(state.open)
+            rollouts += sum(len(g.done) + len(g.handed) for g in state.open.values())
+            rollouts += sum(len(done) for done in state.ahead.values())
+        return {"tasks": len(self._tasks), "open_groups": groups, "rollouts": rollouts}
+
+    # ----------------------------------------------------------------- results
 
     def record_result(self, record: dict[str, Any]) -> None:
         """An episode is final (a results.jsonl record): its rollout is done, its group may
@@ -113,94 +198,174 @@ class SamplingPlan:
         infra error's is not a score). A cancelled episode is not final: it runs again."""
         if record.get("status") == "cancelled":
             return
-        task_id, domain = record["task_id"], record["domain"]
-        self._finished.setdefault(f"{domain}/{task_id}", set()).add(int(record["rollout"]))
-        self._total = None
-        reward = record.get("reward")
-        if record.get("status") in SCORED_STATUSES and isinstance(reward, int | float):
-            self._record_reward(task_id, domain, reward)
+        state = self._state(record["domain"], record["task_id"])
+        if self._finish(state, int(record["rollout"])):
+            self._score(state, record.get("status"), record.get("reward"))
+        self._update(state)
 
-    def resume(self, path: Path,
-               last: dict[tuple[str, str, int], tuple[Any, Any, Any, Any]]) -> None:
-        """A resumed run: each episode's last results line in ``path`` (``(domain, task_id,
-        rollout) -> (status, reward, pass_index, group_size)``). Its groups are planned again
-        as they were; a final line (any but ``infra_error`` when ``tasks.rerun_infra_errors``,
-        any at all otherwise; never ``cancelled``) finishes its rollout."""
+    def resume(self, path: Path, lines: Iterable[ResultLine]) -> None:
+        """A resumed run: the lines of ``path`` in file order, as they are read (the last
+        line of an episode is the one that counts). A group whose lines say its size is
+        planned again as it was; a final line (any but ``infra_error`` when
+        ``tasks.rerun_infra_errors``, any at all otherwise; never ``cancelled``) finishes its
+        rollout, another one makes it run again."""
         rerun = self.cfg.rerun_infra_errors
-        stride = self.cfg.rollouts_per_task
-        for (domain, task_id, rollout), (status, reward, pass_index, size) in last.items():
-            group = f"{domain}/{task_id}"
-            # A group whose results say how big it was is planned again as it was (a run
-            # from before passes says nothing: its pass 0 is planned anew, as then).
-            if isinstance(size, int) and size > 0:
+        stride = self._stride
+        for (domain, task_id, rollout), status, reward, pass_index, size in lines:
+            state = self._state(domain, task_id)
+            if not (isinstance(size, int) and size > 0):
+                size = None  # a run from before passes: its pass 0 is planned anew, as then
+            else:
                 if not isinstance(pass_index, int) or pass_index < 0:
                     pass_index = rollout // stride
-                if rollout not in self._rollouts(pass_index, size) or size > stride:
+                start = pass_index * stride
+                if not start <= rollout < start + size or size > stride:
                     raise ConfigError(
-                        f"{path}: rollout {rollout} of {group} is in pass {pass_index} of "
-                        f"{size} rollouts, which tasks.rollouts_per_task={stride} cannot "
-                        "place: resume it with the rollouts_per_task it was started with")
-                self._planned.setdefault(group, {})[pass_index] = size
+                        f"{path}: rollout {rollout} of {domain}/{task_id} is in pass "
+                        f"{pass_index} of {size} rollouts, which tasks.rollouts_per_task="
+                        f"{stride} cannot place: resume it with the rollouts_per_task it was "
+                        "started with")
+                if pass_index not in state.open and pass_index >= state.next_pass:
+                    self._plan(state, pass_index, size)
             if (rerun and status == "infra_error") or status == "cancelled":
-                continue  # runs again (a cancelled line is a cut straggler, never final)
-            self._finished.setdefault(group, set()).add(rollout)
-            if status in SCORED_STATUSES and isinstance(reward, int | float):
-                self._record_reward(task_id, domain, reward)
+                self._unfinish(state, rollout, size)  # runs again (a cancelled line is a cut
+            elif self._finish(state, rollout):       # straggler, never final)
+                self._score(state, status, reward)
+        for state in self._tasks.values():
+            self._update(state)
+
+    # ----------------------------------------------------------------- DART
 
     def success_rate(self, task_id: str, domain: str) -> float | None:
         """Mean reward of the task's recent episodes (``None`` before any)."""
-        window = self._rewards.get(f"{domain}/{task_id}")
-        return sum(window) / len(window) if window else None
+        state = self._tasks.get((domain, task_id))
+        return _mean(state.rewards) if state is not None else None
 
     def rollouts_for(self, task_id: str, domain: str) -> int:
         """How many rollouts the task gets now: ``rollouts_per_task``, or fewer by DART's
         formula when dynamic rollouts are on and the task's success rate is high."""
-        n = self.cfg.rollouts_per_task
+        state = self._tasks.get((domain, task_id))
+        return self._rollouts_for(state) if state is not None else self._stride
+
+    # ----------------------------------------------------------------- internals
+
+    def _state(self, domain: str, task_id: str) -> _Task:
+        state = self._tasks.get((domain, task_id))
+        if state is None:
+            state = self._tasks[(domain, task_id)] = _Task()
+            state.known = self._known_of(state)
+        return state
+
+    def _rollouts_for(self, state: _Task) -> int:
+        n = self._stride
         dyn = self.cfg.dynamic_rollouts
-        rate = self.success_rate(task_id, domain)
+        rate = _mean(state.rewards)
         if dyn.enabled and rate is not None:
             reduced = dynamic_rollout_n(rate, threshold=dyn.threshold, min_n=dyn.min_n)
             if reduced is not None:
                 n = min(n, reduced)
         return n
 
-    def total_known(self, tasks: Iterable[TaskRef]) -> int:
-        """Episodes of ``tasks``, finished ones included (the progress total): the groups
-        planned, and for passes not planned yet the rollout number each task gets now (with
-        passes: 0, only what is planned); computed again only after a change."""
-        if self._total is not None:
-            return self._total
-        total = 0
+    def _plan(self, state: _Task, pass_index: int, size: int) -> None:
+        """Pass ``pass_index`` of the task gets a group of ``size`` rollouts; rollouts of it
+        already final (ahead) are its own now."""
+        start = pass_index * self._stride
+        group = _Group(pass_index, size, start, state.ahead.pop(pass_index, set()))
+        state.outside -= group.final
+        state.planned += 1
+        state.planned_rollouts += size
+        state.next_pass = max(state.next_pass, pass_index + 1)
+        if group.final < size:
+            state.open[pass_index] = group
+
+    def _finish(self, state: _Task, rollout: int) -> bool:
+        """Rollout ``rollout`` is final; False when it already was."""
+        pass_index = rollout // self._stride
+        group = state.open.get(pass_index)
+        if group is not None:
+            if rollout in group.done:
+                return False
+            group.done.add(rollout)
+            state.done += 1
+            if not group.owns(rollout):
+                state.outside += 1
+                return True
+            group.final += 1
+            if group.final >= group.size:
+                del state.open[pass_index]  # final: from now on only counted
+            return True
+        if pass_index < state.next_pass:
+            return False  # a final group's: counted already
+        ahead = state.ahead.setdefault(pass_index, set())
+        if rollout in ahead:
+            return False
+        ahead.add(rollout)
+        state.done += 1
+        state.outside += 1
+        return True
+
+    def _unfinish(self, state: _Task, rollout: int, size: int | None) -> None:
+        """Resume: rollout ``rollout``'s last line so far is not final, it runs again. In a
+        group already final (an earlier line of the episode was), the line's ``size`` opens
+        the group again."""
+        pass_index = rollout // self._stride
+        group = state.open.get(pass_index)
+        if group is not None:
+            group.pending = True
+            if rollout in group.done:
+                group.done.discard(rollout)
+                state.done -= 1
+                if group.owns(rollout):
+                    group.final -= 1
+                else:
+                    state.outside -= 1
+            return
+        ahead = state.ahead.get(pass_index)
+        if ahead is not None and rollout in ahead:
+            ahead.discard(rollout)
+            if not ahead:
+                del state.ahead[pass_index]
+            state.done -= 1
+            state.outside -= 1
+            return
+        start = pass_index * self._stride
+        if pass_index < state.next_pass and size is not None and start <= rollout < start + size:
+            again = _Group(pass_index, size, start, set(range(start, start + size)) - {rollout})
+            state.open[pass_index] = again
+            state.done -= 1
+
+    def _hand_out_group(self, t: TaskRef, group: _Group) -> list[EpisodeSpec]:
+        specs = []
+        for rollout in group.rollouts():
+            if rollout in group.handed or rollout in group.done:
+                continue
+            group.handed.add(rollout)
+            specs.append(EpisodeSpec(t.task_id, t.domain, rollout, t.task,
+                                     pass_index=group.pass_index, group_size=group.size))
+        group.pending = False
+        return specs
+
+    def _score(self, state: _Task, status: Any, reward: Any) -> None:
+        if status in SCORED_STATUSES and isinstance(reward, int | float):
+            if state.rewards is None:
+                state.rewards = deque(maxlen=self.cfg.dynamic_rollouts.window)
+            state.rewards.append(min(1.0, max(0.0, float(reward))))
+
+    def _known_of(self, state: _Task) -> int:
         passes = self.cfg.passes
-        for t in tasks:
-            group = f"{t.domain}/{t.task_id}"
-            planned = self._planned.get(group, {})
-            rollouts = {r for p, n in planned.items() for r in self._rollouts(p, n)}
-            rollouts |= self._handed_out.get(group, set()) | self._finished.get(group, set())
-            unplanned = max(0, passes - len(planned)) if passes else 0
-            total += len(rollouts) + unplanned * self.rollouts_for(t.task_id, t.domain)
-        self._total = total
-        return total
+        unplanned = max(0, passes - state.planned) if passes else 0
+        return (state.planned_rollouts + state.outside
+                + (unplanned * self._rollouts_for(state) if unplanned else 0))
 
-    def finished_of(self, tasks: Iterable[TaskRef]) -> int:
-        """Episodes of ``tasks`` finished so far."""
-        return sum(len(self._finished.get(f"{t.domain}/{t.task_id}", ())) for t in tasks)
+    def _update(self, state: _Task) -> None:
+        """The task's share of ``total_known`` after a change to it."""
+        known = self._known_of(state)
+        if state.current:
+            self._known += known - state.known
+        state.known = known
 
-    # ----------------------------------------------------------------- internals
-
-    def _record_reward(self, task_id: str, domain: str, reward: float) -> None:
-        self._total = None  # the rate may change a task's rollout number
-        window = self._rewards.setdefault(
-            f"{domain}/{task_id}", deque(maxlen=self.cfg.dynamic_rollouts.window)
-        )
-        window.append(min(1.0, max(0.0, float(reward))))
-
-    def _rollouts(self, pass_index: int, size: int) -> range:
-        start = pass_index * self.cfg.rollouts_per_task
-        return range(start, start + size)
-
-    def _more_passes(self, planned: dict[int, int]) -> bool:
-        return self.cfg.passes == 0 or len(planned) < self.cfg.passes
+    def _more_passes(self, state: _Task) -> bool:
+        return self.cfg.passes == 0 or state.planned < self.cfg.passes
 
     def _may_plan(self) -> bool:
         """Ask the barrier whether new groups may start; past ``timeout_s`` they start
@@ -223,3 +388,7 @@ class SamplingPlan:
             self.waiting = None
             return True
         return False
+
+
+def _mean(window: deque[float] | None) -> float | None:
+    return sum(window) / len(window) if window else None

@@ -21,12 +21,14 @@ the run instead of believing it recorded.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+import os
 import shutil
 import time
 import zlib
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,9 +40,9 @@ from cua_rollout.config import StorageConfig
 from cua_rollout.core.errors import StorageError
 from cua_rollout.core.files import (
     append_text,
-    iter_jsonl,
     read_json,
     repair_jsonl_tail,
+    replace_atomic,
     write_atomic,
 )
 from cua_rollout.core.layout import (
@@ -417,42 +419,85 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
     """Keep one line per episode in results.jsonl: the last one, unless its status is in
     ``drop_statuses`` (those episodes run again). Every line taken out (an earlier line of an
     episode, a dropped one, a broken one) is appended to ``archive`` first, so nothing is
-    lost; the file is rewritten atomically, and only when something changes. Memory: one
-    index per episode, not the records."""
+    lost; then the file is replaced by its compacted copy, streamed to a temporary file and
+    renamed, and only when something changes.
+
+    The file is read line by line, twice at most, and never held. An episode gets another
+    line only after a line that is not final (``cancelled``, or a status dropped here: it
+    runs again), since a final one never runs again. So the first read remembers only the
+    episodes with such a line, with the number of their last line; the second one copies.
+    Two final lines of one episode, which no run writes, are both kept."""
     counts = {"kept": 0, "superseded": 0, "dropped": 0, "broken": 0}
+    moving = False
+    records = 0
+    watched: dict[str, int] = {}  # episode with a line not final -> its last line's number
     try:
-        text = path.read_text(encoding="utf-8", errors="replace")
+        for number, _, episode, status in _result_lines(path):
+            if episode is None:
+                moving = True
+                continue
+            records += 1
+            if episode in watched:
+                watched[episode] = number
+                moving = True  # an earlier line of it goes
+            elif status == "cancelled" or status in drop_statuses:
+                watched[episode] = number
+            if status in drop_statuses:
+                moving = True
     except FileNotFoundError:
         return counts
-    last: dict[str, int] = {}
-    lines = text.splitlines()
-    status: dict[int, str] = {}
-    for line in iter_jsonl(text):
-        value = line.value
-        if line.error is None and isinstance(value, dict) and "episode_id" in value:
-            last[str(value["episode_id"])] = line.number
-            status[line.number] = str(value.get("status"))
-    keep = {n for n in last.values() if status[n] not in drop_statuses}
-    out, moved = [], []
-    for number, raw in enumerate(lines, start=1):
-        if not raw.strip():
-            continue
-        if number in keep:
-            out.append(raw)
-            counts["kept"] += 1
-            continue
-        moved.append(raw)
-        if number not in status:
-            counts["broken"] += 1
-        elif number in last.values():
-            counts["dropped"] += 1
-        else:
-            counts["superseded"] += 1
-    if moved:
-        append_text(archive, "\n".join(moved) + "\n", fsync=fsync)
-        write_atomic(path, ("\n".join(out) + "\n" if out else "").encode(), fsync=fsync)
-        log.warning("%s: %s", path, ", ".join(f"{k} {v}" for k, v in counts.items()))
+    if not moving:
+        counts["kept"] = records
+        return counts
+    archive_size = archive.stat().st_size if archive.exists() else None
+    try:
+        with replace_atomic(path, fsync=fsync) as out, open(archive, "ab") as moved:
+            for number, raw, episode, status in _result_lines(path):
+                line = raw if raw.endswith(b"\n") else raw + b"\n"
+                last = watched.get(episode) if episode is not None else None
+                if episode is None:
+                    counts["broken"] += 1
+                elif last is not None and last != number:
+                    counts["superseded"] += 1
+                elif status in drop_statuses:
+                    counts["dropped"] += 1
+                else:
+                    counts["kept"] += 1
+                    out.write(line)
+                    continue
+                moved.write(line)
+            moved.flush()
+            if fsync:
+                os.fsync(moved.fileno())
+    except BaseException:
+        # All or nothing: the archive loses what this attempt appended to it.
+        with contextlib.suppress(OSError):
+            if archive_size is None:
+                archive.unlink()
+            else:
+                os.truncate(archive, archive_size)
+        raise
+    log.warning("%s: %s", path, ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
+
+
+def _result_lines(path: Path) -> Iterator[tuple[int, bytes, str | None, str | None]]:
+    """The non-blank lines of a results.jsonl file, read one at a time: ``(number, the
+    line as written, its episode_id, its status)``, the id None when the line is not a
+    record (cut short, not JSON, no ``episode_id``)."""
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                value = json.loads(raw.decode("utf-8", errors="replace"))
+            except ValueError:
+                yield number, raw, None, None
+                continue
+            if isinstance(value, dict) and "episode_id" in value:
+                yield number, raw, str(value["episode_id"]), str(value.get("status"))
+            else:
+                yield number, raw, None, None
 
 
 def _write_files(directory: Path, files: list[tuple[str, bytes]], fsync: bool) -> None:

@@ -510,8 +510,10 @@ class TrainingIndex:
         return made
 
     def _record(self, run: str, run_dir: str | Path, records: list[Mapping[str, Any]],
-                sizes: Mapping[str, int] | None = None
+                changed: set[str] | None = None
                 ) -> tuple[list[dict[str, Any]], Counter[str]]:
+        """Upsert ``records``; the groups created or rebuilt, and counts. ``changed`` gets
+        the groups whose episodes changed."""
         run_dir = str(Path(run_dir).resolve())
         latest: dict[str, tuple[str, dict[str, Any]]] = {}  # episode_id -> (line, row)
         for raw in records:
@@ -537,7 +539,7 @@ class TrainingIndex:
                     .where(_episodes.c.run == run, _episodes.c.episode_id.in_(ids[i:i + _CHUNK])))
                 existing.update({e: (g, r) for e, g, r in rows})
             inserts, updates = [], []
-            changed: set[str] = set()
+            changed = set() if changed is None else changed
             for episode_id, (line, full) in latest.items():
                 old = existing.get(episode_id)
                 if old is not None and old[1] == line:
@@ -563,21 +565,26 @@ class TrainingIndex:
             counts["replaced"] += len(updates)
             for group_id in sorted(group_ids | changed):
                 group = self._settle_group(conn, run, run_dir, group_id,
-                                           group_id in changed, (sizes or {}).get(group_id))
+                                           group_id in changed, None)
                 if group is not None:
                     counts[group.pop("_outcome")] += 1
                     made.append(group)
         return made, counts
 
     def _settle_group(self, conn: Connection, run: str, run_dir: str, group_id: str,
-                      changed: bool, size: int | None) -> dict[str, Any] | None:
+                      changed: bool, size: int | None, *, whole: bool = False
+                      ) -> dict[str, Any] | None:
         """Create the group's row when it is complete, rebuild it when it changed and is
-        still ready. Returns its record with ``_outcome`` (created/rebuilt), or None."""
+        still ready. ``whole``: the run finished, so a group whose records do not say its
+        size is complete as it is. Returns its record with ``_outcome`` (created/rebuilt),
+        or None."""
         lines = conn.execute(select(_episodes.c.record).where(
             _episodes.c.run == run, _episodes.c.group_id == group_id)).scalars().all()
         records = [fill_defaults(json.loads(line)) for line in lines]
         if size is None:
             size = max((r["group_size"] for r in records if r["group_size"]), default=None)
+        if size is None and whole:
+            size = len(records)
         if size is None or len(records) < size or not records:
             return None
         where = and_(_groups.c.run == run, _groups.c.group_id == group_id)
@@ -620,7 +627,14 @@ class TrainingIndex:
         episode wins; lines that are not JSON records are skipped with a warning). ``run``
         defaults to run.json's ``run``, else the directory's name. Records without
         ``group_size`` complete their group only when run.json says the run ``finished``
-        (with the episodes present). Idempotent; returns counts."""
+        (with the episodes present). Idempotent; returns counts.
+
+        The file is read line by line, twice, and never held: first the versions (the
+        order the run first used them in) and the episodes a later line may supersede
+        (those with a ``cancelled`` or ``infra_error`` line: a final episode never runs
+        again), then the records, written in transactions of at most ``_REINDEX_GROUPS``
+        groups. Two final lines of one episode, which no run writes, are both written, the
+        later one last."""
         run_dir = Path(run_dir).resolve()
         results = run_dir / RESULTS_FILE
         if not run_dir.is_dir():
@@ -631,12 +645,84 @@ class TrainingIndex:
             raise FileNotFoundError(f"{run_dir}: not a run directory (no {RESULTS_FILE}, "
                                     f"no {RUN_FILE})")
         run = run or (str(info["run"]) if info.get("run") else run_dir.name)
-        latest: dict[str, dict[str, Any]] = {}
         counts: Counter[str] = Counter()
+        first_use: dict[str, tuple[float, int, int]] = {}
+        last_of: dict[str, int] = {}  # episode with a line a later one may supersede -> last
+        for number, record in self._result_records(results, run, run_dir, None):
+            row_versions = fill_defaults(record)["model_versions"]
+            for i, version in enumerate(row_versions):
+                use = (_started(record), number, i)
+                if version not in first_use or use < first_use[version]:
+                    first_use[version] = use
+            episode_id = record["episode_id"]
+            if episode_id in last_of or record.get("status") in ("cancelled", "infra_error"):
+                last_of[episode_id] = number
+        # Versions in the order the run first used them, whatever the batches below.
+        self._register_versions(sorted(first_use, key=first_use.__getitem__))
+        finished = info.get("status") == "finished"
+        legacy: dict[str, bool] = {}  # group without group_size -> changed by this reindex
+        episodes = 0
+        batch: list[dict[str, Any]] = []
+        batch_groups: set[str] = set()
+
+        def write() -> None:
+            changed: set[str] = set()
+            _, done = self._record(run, run_dir, batch, changed=changed)
+            counts.update(done)
+            for group_id in changed & legacy.keys():
+                legacy[group_id] = True
+            batch.clear()
+            batch_groups.clear()
+
+        for number, record in self._result_records(results, run, run_dir, counts):
+            seen_last = last_of.get(record["episode_id"])
+            if seen_last is not None and seen_last != number:
+                continue  # superseded by a later line of the episode
+            episodes += 1
+            if record.get("status") == "cancelled":
+                continue  # a cut straggler or a stopped run's episode: not final, runs again
+            filled = fill_defaults(record)
+            group_id = filled["group_id"]
+            if finished and filled["group_size"] is None:
+                legacy.setdefault(group_id, False)
+            if group_id not in batch_groups and len(batch_groups) >= _REINDEX_GROUPS:
+                write()
+            batch.append(record)
+            batch_groups.add(group_id)
+        if batch:
+            write()
+        # A finished run's groups whose records never said their size: complete as they are.
+        group_ids = sorted(legacy)
+        for i in range(0, len(group_ids), _REINDEX_GROUPS):
+            chunk = group_ids[i:i + _REINDEX_GROUPS]
+            with self._writing((run, g) for g in chunk) as conn:
+                for group_id in chunk:
+                    group = self._settle_group(conn, run, str(run_dir), group_id,
+                                               legacy[group_id], None, whole=True)
+                    if group is not None:
+                        counts[group.pop("_outcome")] += 1
+        with self._reading() as conn:
+            in_db = conn.execute(select(func.count()).select_from(_groups)
+                                 .where(_groups.c.run == run)).scalar_one()
+            with_episodes = conn.execute(
+                select(func.count(func.distinct(_episodes.c.group_id)))
+                .where(_episodes.c.run == run)).scalar_one()
+        return {"run": run, "run_dir": str(run_dir), "lines": counts["lines"],
+                "skipped": counts["skipped"], "episodes": episodes,
+                "inserted": counts["inserted"], "replaced": counts["replaced"],
+                "unchanged": counts["unchanged"], "groups": in_db,
+                "groups_created": counts["groups_created"],
+                "groups_rebuilt": counts["groups_rebuilt"],
+                "incomplete_groups": max(0, with_episodes - in_db)}
+
+    @staticmethod
+    def _result_records(results: Path, run: str, run_dir: Path,
+                        counts: Counter[str] | None) -> Iterator[tuple[int, dict[str, Any]]]:
+        """The episode records of results.jsonl with their line numbers, read one line at a
+        time; with ``counts``, the lines are counted and those skipped logged."""
         try:
             with open(results, encoding="utf-8", errors="replace") as f:
                 for line in iter_jsonl_lines(f):
-                    counts["lines"] += 1
                     value = line.value
                     if line.error is not None:
                         problem = f"not JSON ({line.error.msg})"
@@ -648,41 +734,16 @@ class TrainingIndex:
                         except ValueError as exc:
                             problem = str(exc)
                         else:
-                            latest.pop(value["episode_id"], None)
-                            latest[value["episode_id"]] = value
+                            if counts is not None:
+                                counts["lines"] += 1
+                            yield line.number, value
                             continue
-                    counts["skipped"] += 1
-                    log.warning("%s:%d: %s, skipped", results, line.number, problem)
+                    if counts is not None:
+                        counts["lines"] += 1
+                        counts["skipped"] += 1
+                        log.warning("%s:%d: %s, skipped", results, line.number, problem)
         except FileNotFoundError:
-            pass
-        by_group: dict[str, list[dict[str, Any]]] = defaultdict(list)
-        for record in latest.values():
-            if record.get("status") == "cancelled":
-                continue  # a cut straggler or a stopped run's episode: not final, runs again
-            by_group[fill_defaults(record)["group_id"]].append(record)
-        sizes: dict[str, int] = {}
-        if info.get("status") == "finished":
-            sizes = {g: len(rs) for g, rs in by_group.items()
-                     if all(r.get("group_size") is None for r in rs)}
-        # Versions in the order the run first used them, whatever the chunks below.
-        self._register_versions(v for r in sorted(latest.values(), key=_started)
-                                for v in fill_defaults(r)["model_versions"])
-        group_ids = sorted(by_group)
-        for i in range(0, len(group_ids), _REINDEX_GROUPS):
-            chunk = group_ids[i:i + _REINDEX_GROUPS]
-            _, done = self._record(run, run_dir, [r for g in chunk for r in by_group[g]],
-                                   {g: sizes[g] for g in chunk if g in sizes})
-            counts.update(done)
-        with self._reading() as conn:
-            in_db = conn.execute(select(func.count()).select_from(_groups)
-                                 .where(_groups.c.run == run)).scalar_one()
-        return {"run": run, "run_dir": str(run_dir), "lines": counts["lines"],
-                "skipped": counts["skipped"], "episodes": len(latest),
-                "inserted": counts["inserted"], "replaced": counts["replaced"],
-                "unchanged": counts["unchanged"], "groups": in_db,
-                "groups_created": counts["groups_created"],
-                "groups_rebuilt": counts["groups_rebuilt"],
-                "incomplete_groups": len(by_group) - in_db}
+            return
 
     # ------------------------------------------------------------- consumers
 

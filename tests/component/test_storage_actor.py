@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import tracemalloc
 from pathlib import Path
 
 from cua_rollout.config import StorageConfig
@@ -84,6 +85,56 @@ async def test_a_results_line_cut_by_a_crash_is_removed_at_start(tmp_path: Path)
     await storage.close()
     lines = (tmp_path / "results.jsonl").read_text().splitlines()
     assert [json.loads(x)["episode_id"] for x in lines] == ["d/t/0", "d/t/1"]
+
+
+async def test_a_restart_streams_a_long_runs_results(tmp_path: Path):
+    """A long run's results.jsonl (~12 MB, 40,000 episodes): the start's repair and
+    compaction read it a line at a time (the memory traced stays far below the file's size),
+    keep the last line of each episode byte for byte and in order (a U+2028 inside a string
+    is not a line break), move infra errors (rerun) and superseded cancelled lines to the
+    archive, and remove the line a crash cut."""
+    run = tmp_path / "run"
+    run.mkdir()
+    path, archive = run / "results.jsonl", run / "results.superseded.jsonl"
+    episodes = 40_000
+    kept: list[bytes] = []
+    moved: list[bytes] = []
+    reruns: list[bytes] = []
+
+    def line(i: int, status: str) -> bytes:
+        record = {**_record(f"d/t{i // 8}/{i % 8}", reward=1.0), "status": status,
+                  "instruction": "écrire " * 40 + ("\u2028" if i == 5 else "")}
+        return (json.dumps(record, ensure_ascii=False) + "\n").encode()
+
+    with path.open("wb") as f:
+        for i in range(episodes):
+            status = ("infra_error" if i % 97 == 0 else "cancelled" if i % 89 == 0
+                      else "success")
+            written = line(i, status)
+            f.write(written)
+            (moved if status != "success" else kept).append(written)
+            if status == "cancelled":
+                reruns.append(line(i, "success"))
+        f.writelines(reruns)
+        f.write(b'{"episode_id": "d/cut/0", "status": "succ')
+    size = path.stat().st_size
+    assert size > 10_000_000
+
+    storage = StorageActor(run, StorageConfig(index=False))
+    tracemalloc.start()
+    try:
+        repaired = await storage.start_run({"run": "long"})
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        await storage.close()
+    assert peak < size / 20, f"the start held {peak} bytes for a {size}-byte file"
+    infra = len(range(0, episodes, 97))
+    assert repaired["results_compacted"] == {
+        "kept": episodes - infra, "superseded": len(reruns), "dropped": infra, "broken": 0}
+    assert path.read_bytes() == b"".join(kept + reruns)
+    assert archive.read_bytes() == b"".join(moved)
+    assert not list(run.glob(".results.jsonl.*"))  # no temporary file left
 
 
 async def test_callers_wait_when_the_queue_is_full(tmp_path: Path, monkeypatch):

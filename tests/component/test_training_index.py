@@ -187,6 +187,39 @@ def test_reindex_equals_incremental_and_is_idempotent(tmp_path):
     rebuilt.close()
 
 
+def test_reindex_streams_in_batches_and_a_rerun_line_wins_across_them(tmp_path, monkeypatch):
+    """Transactions of two groups at most: an infra error in the first batch, its rerun in
+    the last one, is never written (the later line wins, as it does read whole); a straggler
+    cut (cancelled) likewise; a group split over batches is made once complete; versions are
+    numbered in the order the run first used them, whatever the file's order."""
+    import cua_rollout.training.index as index_module
+
+    monkeypatch.setattr(index_module, "_REINDEX_GROUPS", 2)
+    run_dir = tmp_path / "run"
+    t3 = four("t3", version="v2", started=50)
+    records = [*four("t0", (1.0, None, 0.0, 0.0)),
+               episode("t1", 0, "cancelled", None, version="v2", started=5000),
+               *four("t2", version="v3"), *t3[:3],
+               episode("t0", 1, "success", 1.0), episode("t1", 0, "success", 1.0),
+               *four("t1")[1:], t3[3]]
+    write_run(run_dir, records)
+    incremental = TrainingIndex(f"sqlite:///{tmp_path / 'inc.db'}", clock=Clock())
+    incremental.record_episodes(RUN, run_dir, [r for r in records if r["status"] != "cancelled"
+                                               and r["episode_id"] != "chrome/t0/1"]
+                                + [episode("t0", 1, "success", 1.0)])
+    rebuilt = TrainingIndex(f"sqlite:///{tmp_path / 're.db'}", clock=Clock())
+    counts = rebuilt.reindex(run_dir)
+    assert (counts["episodes"], counts["inserted"], counts["replaced"]) == (16, 16, 0)
+    assert (counts["groups"], counts["groups_created"], counts["groups_rebuilt"]) == (4, 4, 0)
+    assert counts["incomplete_groups"] == 0
+    assert group_rows(str(incremental.url)) == group_rows(str(rebuilt.url))
+    with sqlite3.connect(tmp_path / "re.db") as db:  # t3 (v2) started first
+        assert [v for v, in db.execute("SELECT version FROM versions ORDER BY seq")] == [
+            "v2", "v1", "v3"]
+    incremental.close()
+    rebuilt.close()
+
+
 def test_records_without_group_size_make_groups_once_the_run_finished(index, tmp_path, caplog):
     old = [{k: v for k, v in r.items()
             if k not in ("group_size", "group_id", "pass_index", "first_model_version",

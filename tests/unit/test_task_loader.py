@@ -739,3 +739,143 @@ def test_a_cancelled_line_is_never_final(tmp_path: Path) -> None:
                         for r, s in ((0, "cancelled"), (1, "failure"))])
     loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2)
     assert [s.rollout for s in loader.poll()] == [0]
+
+
+# --------------------------------------------------------------------------- a long service run
+# (issue 33: what the loader holds and what a poll looks at stay flat as passes go by)
+
+
+def _service_loader(tmp_path: Path, **cfg: Any) -> TaskLoader:
+    return _loader(tmp_path, source=SUITE / "examples", rollouts_per_task=4, passes=0,
+                   poll_interval_s=3600.0, **cfg)
+
+
+def _finish_all(loader: TaskLoader, specs: list[EpisodeSpec]) -> None:
+    """Every episode of ``specs`` is final (some infra errors, some failures)."""
+    for spec in specs:
+        reward = None if spec.rollout % 7 == 3 else float(spec.rollout % 2)
+        _scored(loader, reward, rollout=spec.rollout, task=spec.task_id, domain=spec.domain)
+
+
+def _run_passes(loader: TaskLoader, passes: int) -> None:
+    for _ in range(passes):
+        specs = loader.poll(refresh=False)
+        assert len(specs) == 18 * 4
+        _finish_all(loader, specs)
+
+
+def test_a_finished_pass_is_dropped_and_what_the_loader_holds_stays_flat(
+        tmp_path: Path) -> None:
+    loader = _service_loader(tmp_path)
+    held = []
+    done = 0
+    for passes in (2, 30, 120):
+        _run_passes(loader, passes - done)
+        done = passes
+        assert loader.plan.held() == {"tasks": 18, "open_groups": 0, "rollouts": 0}
+        assert loader.total_known() == loader.finished_before() == done * 18 * 4
+        specs = loader.poll(refresh=False)  # the next pass, handed out
+        held.append(loader.plan.held())
+        assert loader.total_known() == (done + 1) * 18 * 4
+        _finish_all(loader, specs)
+        done += 1
+    assert held == [{"tasks": 18, "open_groups": 18, "rollouts": 18 * 4}] * 3
+
+
+def test_a_poll_looks_at_open_groups_only_and_the_total_is_kept_not_counted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Structural, not timed: the rollouts a poll examines and the work total_known() does
+    are the same after 2 passes and after 100."""
+    from cua_rollout.runtime import sampling
+
+    examined: list[int] = []
+    real_rollouts = sampling._Group.rollouts
+
+    def counting_rollouts(self: Any) -> range:
+        found = real_rollouts(self)
+        examined.append(len(found))
+        return found
+
+    monkeypatch.setattr(sampling._Group, "rollouts", counting_rollouts)
+    recounts: list[int] = []
+    real_known_of = sampling.SamplingPlan._known_of
+
+    def counting_known_of(self: Any, state: Any) -> int:
+        recounts.append(1)
+        return real_known_of(self, state)
+
+    monkeypatch.setattr(sampling.SamplingPlan, "_known_of", counting_known_of)
+
+    def one_iteration(loader: TaskLoader, specs: list[EpisodeSpec]) -> tuple[int, int, int]:
+        """The driver's loop when one group's results came in."""
+        examined.clear()
+        recounts.clear()
+        for spec in specs[:4]:  # one task's group is final
+            _scored(loader, 1.0, rollout=spec.rollout, task=spec.task_id, domain=spec.domain)
+        fed = len(recounts)
+        new = loader.poll(refresh=False)
+        assert [s.group for s in new] == [specs[0].group] * 4
+        recounts.clear()
+        loader.total_known()
+        return sum(examined), fed, len(recounts)
+
+    costs = []
+    for passes in (2, 100):
+        loader = _service_loader(tmp_path / str(passes))
+        _run_passes(loader, passes)
+        costs.append(one_iteration(loader, loader.poll(refresh=False)))
+    # 4 rollouts of the one new group; one recount per result; none to read the total.
+    assert costs == [(4, 4, 0), (4, 4, 0)]
+
+
+def _result_line(task: str, domain: str, rollout: int, status: str, stride: int = 4,
+                 size: int = 4) -> str:
+    reward = None if status in ("infra_error", "cancelled") else float(status == "success")
+    return json.dumps({"episode_id": f"{domain}/{task}/{rollout}", "task_id": task,
+                       "domain": domain, "rollout": rollout, "status": status,
+                       "reward": reward, "pass_index": rollout // stride, "group_size": size,
+                       "instruction": "x" * 200})
+
+
+def test_resume_streams_a_long_service_runs_results(tmp_path: Path) -> None:
+    """300 passes of 18 tasks in results.jsonl, the last one partly run (an infra error to
+    rerun, a straggler cut and run again, a line cut by a crash): the loader keeps the open
+    groups only, hands out exactly the episodes missing, and reads the file with memory that
+    does not grow with it."""
+    import tracemalloc
+
+    tasks = [(p.stem, p.parent.name) for p in sorted((SUITE / "examples").rglob("*.json"))]
+    lines = []
+    passes = 300
+    for p in range(passes - 1):
+        for task, domain in tasks:
+            lines += [_result_line(task, domain, p * 4 + i, "success" if i % 2 else "failure")
+                      for i in range(4)]
+    last = (passes - 1) * 4
+    (t0, d0), (t1, d1) = tasks[0], tasks[1]
+    lines += [_result_line(t0, d0, last, "success"), _result_line(t0, d0, last + 1, "infra_error"),
+              _result_line(t1, d1, last, "cancelled"), _result_line(t1, d1, last + 1, "success"),
+              _result_line(t1, d1, last, "failure")]
+    _results(tmp_path, lines)
+    path = tmp_path / "run" / "results.jsonl"
+    with path.open("a") as f:
+        f.write(_result_line(t1, d1, last + 2, "success")[:40])  # a crash cut it
+    size = path.stat().st_size
+    assert size > 6_000_000
+
+    tracemalloc.start()
+    try:
+        loader = _service_loader(tmp_path)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert peak < 1_000_000, f"resume held {peak} bytes reading {size}"
+    # Open: the two tasks' last groups; the other tasks' passes are all final.
+    assert loader.plan.held() == {"tasks": 18, "open_groups": 2, "rollouts": 3}
+    specs = loader.poll(refresh=False)
+    assert loader.finished_before() == (passes - 1) * 18 * 4 + 3
+    ids = {(s.task_id, s.rollout, s.pass_index, s.group_size) for s in specs}
+    assert {(t0, last + i, passes - 1, 4) for i in (1, 2, 3)} <= ids  # the infra error reruns
+    assert {(t1, last + i, passes - 1, 4) for i in (2, 3)} <= ids      # the cut line's too
+    assert len(specs) == 3 + 2 + 16 * 4  # and every other task's next pass
+    assert loader.total_known() == passes * 18 * 4

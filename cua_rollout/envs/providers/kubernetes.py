@@ -359,26 +359,35 @@ class KubernetesProvider(DesktopProvider):
                 loop.call_soon_threadsafe(self._apply, kind, pods)
 
     def _apply(self, kind: str, pods: list[dict[str, Any]]) -> None:
-        """On the loop: the watched state of the pods, and a wake-up for whoever waits."""
+        """On the loop: the watched state of the pods, and a wake-up for whoever waits. A
+        pod gone (deleted, or missing from a re-list) is forgotten, unless a start waits on
+        it: that one finds it marked ``deleted`` (and drops it), so the map holds the live
+        pods only, not every pod a long run ever replaced."""
         changed = []
         if kind == "list":
             listed = {p["metadata"]["name"]: p for p in pods}
             changed = list(set(self._pods) | set(listed))
             for name in set(self._pods) - set(listed):
-                self._pods[name] = {"metadata": {"name": name}, "status": {},
-                                    "deleted": True}
+                self._gone(name, {"metadata": {"name": name}, "status": {}})
             self._pods.update(listed)
         else:
             for pod in pods:
                 name = pod["metadata"]["name"]
                 if kind == "DELETED":
-                    pod = {**pod, "deleted": True}
-                self._pods[name] = pod
+                    self._gone(name, pod)
+                else:
+                    self._pods[name] = pod
                 changed.append(name)
         for name in changed:
             for waiter in self._waiters.pop(name, []):
                 if not waiter.done():
                     waiter.set_result(None)
+
+    def _gone(self, name: str, pod: dict[str, Any]) -> None:
+        if any(not w.done() for w in self._waiters.get(name, ())):
+            self._pods[name] = {**pod, "deleted": True}
+        else:
+            self._pods.pop(name, None)
 
     async def _changed(self, name: str, timeout_s: float) -> None:
         waiter = asyncio.get_running_loop().create_future()
@@ -488,6 +497,7 @@ class KubernetesProvider(DesktopProvider):
             pod = self._pods.get(name)
             if pod is not None:
                 if pod.get("deleted"):
+                    self._pods.pop(name, None)  # kept for this wait only (_gone)
                     raise DesktopError(f"{name}: the pod was deleted before it was ready")
                 if pod_ready(pod):
                     return f"http://{pod['status']['podIP']}:{self.kcfg.port}"
