@@ -731,7 +731,11 @@ class StepFiles:
             raise ConfigError(f"storage.step_files is runner, but {self.name}: {why}; mount "
                               "the run directory at the same path on every node, or set "
                               "storage.step_files: auto")
-        log.info("%s: step files go through the storage actor: %s", self.name, why)
+        # A warning (Ray shows runners' warnings, not their info lines): every step's bytes
+        # now pass through the one storage process.
+        log.warning("%s: step files go through the storage actor: %s (a run directory "
+                    "shared at the same path on every node lets runners write them)",
+                    self.name, why)
         return "storage"
 
     def submit(self, work: Callable[..., None], *args: Any) -> asyncio.Future[None]:
