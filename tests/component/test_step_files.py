@@ -17,7 +17,7 @@ import pytest
 import cua_rollout.runtime.storage as storage_module
 from cua_rollout.config import StorageConfig, load_config
 from cua_rollout.core.errors import ConfigError
-from cua_rollout.core.layout import ATTEMPTS_DIR, RESULTS_FILE
+from cua_rollout.core.layout import ATTEMPTS_DIR, RESULTS_FILE, staging_name
 from cua_rollout.core.types import EpisodeSpec
 from cua_rollout.runtime.coordinator import AgentCoordinator
 from cua_rollout.runtime.pool import DesktopPool
@@ -205,6 +205,26 @@ async def test_an_attempt_that_never_finished_is_recorded_with_the_files_it_wrot
     assert json.loads((directory / "episode.json").read_text())["error"] == died["error"]
     assert staged(run) == []
     files.close()
+
+
+def test_a_staging_name_is_one_new_path_component_for_any_episode_id():
+    for episode_id in ("d/t/0", "../../etc/x", "a" * 300 + "/t/0", "d/t%2F/1", ".."):
+        name = staging_name(episode_id, 2, "n0")
+        assert "/" not in name and name not in (".", "..") and len(name.encode()) < 255
+        assert name.endswith(".2.n0")
+    assert staging_name("d/t/0", 0, "a") != staging_name("d/t/0", 0, "b")
+    assert staging_name("d/t/0", 0, "a") != staging_name("d%2Ft/0", 0, "a")
+
+
+async def test_the_storage_refuses_a_staging_name_that_is_not_one_component(tmp_path: Path):
+    run = tmp_path / "run"
+    storage = await started(run)
+    (tmp_path / "escape").mkdir()  # what "../escape" would name from the staging area
+    await storage.begin_staged(EPISODE, 0, "../../escape")
+    failed = await storage.finish_staged(EPISODE, 0, "../../escape", None)
+    assert failed is not None and "is not a name in .attempts" in failed
+    assert (tmp_path / "escape").is_dir() and not (run / EPISODE).exists()
+    await storage.close()
 
 
 async def test_a_full_disk_on_the_runner_side_is_an_error_that_is_never_recorded(tmp: Path):
