@@ -68,7 +68,7 @@ class TrajectoryRunner:
         self.node_id = _node_id()
         # Where this process's episodes write their step files (decided at the first one).
         self.step_files = StepFiles(storage, cfg.storage,
-                                    f"{runner_id} (node {self.node_id or 'local'})")
+                                    f"{runner_id} (node {(self.node_id or 'local')[:12]})")
         self._model: ModelServicePool | None = None
         self._judge: ModelServicePool | None = None
         self._evaluator: Evaluator | None = None
