@@ -210,6 +210,7 @@ class RolloutSetup:
     ape_memory_share: float = 0.6     # a-p-e rows must fit in this share of free memory
     ape_start_budget_s: float = 60.0  # ... and their actors start within this many seconds
     drain_grace_s: float = 10.0       # episodes running after the window may end normally
+    step_files: str = "auto"          # storage.step_files: who writes the step files
     seed: int = 0
 
     def unloaded_step_s(self) -> float:
@@ -463,11 +464,11 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
     s = row.setup
     schedule = "batch" if row.schedule == "batch" else "rollout"
     per_runner = 1 if row.schedule == "actor-per-episode" else s.per_runner(row.concurrency)
-    return load_config(None, sim_sets(
+    return load_config(None, [*sim_sets(
         row.run_dir, tasks, desktop_urls, reset_command, model_urls, model_name,
         concurrency=row.concurrency, spares=row.spares, per_runner=per_runner,
         schedule=schedule, max_steps=s.lengths.max_steps, history_images=s.history_images,
-        action_pause_s=0.0))
+        action_pause_s=0.0), f"storage.step_files={s.step_files}"])
 
 
 def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command: list[str],
@@ -1519,6 +1520,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--episodes-per-runner", type=int,
                         help="rollout, batch and peer (default: concurrency / cores)")
     parser.add_argument("--no-routing", action="store_true", help="skip the routing part")
+    parser.add_argument("--step-files", choices=("auto", "runner", "storage"), default="auto",
+                        help="rollout rows' storage.step_files (storage: every step through "
+                        "the storage actor, as before issue 33)")
     peer = parser.add_mutually_exclusive_group()
     peer.add_argument("--peer", action="store_true",
                       help="only the peer-settings rows (run.py on the sim world, issue 17)")
@@ -1538,7 +1542,8 @@ def main(argv: list[str] | None = None) -> int:
     setup = dataclasses.replace(
         setup, levels=tuple(args.levels or setup.levels),
         window_s=args.window_s or setup.window_s, warmup_s=args.warmup_s or setup.warmup_s,
-        episodes_per_runner=args.episodes_per_runner or setup.episodes_per_runner)
+        episodes_per_runner=args.episodes_per_runner or setup.episodes_per_runner,
+        step_files=args.step_files)
     peer_setup = dataclasses.replace(
         PEER, levels=tuple(args.peer_levels or PEER.levels), window_s=args.peer_window_s,
         running_ray=args.peer_running_ray,

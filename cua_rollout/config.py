@@ -935,6 +935,14 @@ class StorageConfig(_Section):
     ``database_password_env``."""
     database_password_env: str | None = None
     """The environment variable holding the database password (null: none)."""
+    step_files: Literal["auto", "runner", "storage"] = "auto"
+    """Who writes the screenshots and traj.jsonl lines. ``runner``: each runner process,
+    straight into the run directory, which must then be at the same path on every node (a
+    shared filesystem: NFS, CephFS, a ReadWriteMany volume); a runner that cannot see it
+    stops the run. ``storage``: every step travels to the storage actor, which writes it on
+    the driver's node (no shared filesystem needed; one process carries every step's bytes).
+    ``auto``: ``runner`` for each runner process that finds the run directory (a probe file
+    the storage writes at start), ``storage`` for the others."""
 
     @model_validator(mode="after")
     def _no_password_in_url(self) -> StorageConfig:

@@ -4,11 +4,16 @@
     <run>/run.json, results.jsonl, metrics.jsonl, index.db, .lock
     <run>/<domain>/<task_id>/<rollout>/task_config.json, traj.jsonl, step_<n>.png,
                                        episode.json, result.txt, messages.json
+    <run>/.attempts/<staging name>/    the same files of an attempt still running
 """
 
 from __future__ import annotations
 
+import hashlib
+from urllib.parse import quote
+
 __all__ = [
+    "ATTEMPTS_DIR",
     "EPISODE_FILE",
     "GIVEN_TASKS_FILE",
     "INDEX_FILE",
@@ -22,6 +27,7 @@ __all__ = [
     "TASK_CONFIG_FILE",
     "TRAJ_FILE",
     "screenshot_name",
+    "staging_name",
 ]
 
 RUN_FILE = "run.json"                  # config snapshot, versions, start/end, summary
@@ -36,8 +42,22 @@ TRAJ_FILE = "traj.jsonl"               # one line per step, OSWorld's fields + o
 EPISODE_FILE = "episode.json"          # the episode's result record
 OSWORLD_RESULT_FILE = "result.txt"     # the reward, as OSWorld writes it (scored episodes)
 MESSAGES_FILE = "messages.json"        # the last model request, images as file names
+ATTEMPTS_DIR = ".attempts"             # running attempts' files, moved into place when they end
+
+# A flattened episode id longer than this is replaced by its digest in a staging name (a
+# file name has at most 255 bytes; the attempt and a nonce follow it).
+_MAX_FLAT_ID = 160
 
 
 def screenshot_name(step: int) -> str:
     """The file of the screenshot observed after step ``step`` (0: after the reset)."""
     return f"step_{step}.png"
+
+
+def staging_name(episode_id: str, attempt: int, nonce: str) -> str:
+    """The directory (in ``ATTEMPTS_DIR``) of one run of an episode's attempt: one path
+    component, unique by ``nonce``, so no host ever looked its name up before it existed."""
+    flat = quote(episode_id, safe="")
+    if len(flat) > _MAX_FLAT_ID:
+        flat = hashlib.sha1(episode_id.encode()).hexdigest()
+    return f"{flat}.{attempt}.{nonce}"

@@ -86,6 +86,12 @@ class StorageClient(_Client):
                       ) -> Awaitable[None]:
         return send(self.target.begin_episode, episode_id, attempt, task)
 
+    def begin_staged(self, episode_id: str, attempt: int, staging: str) -> Awaitable[None]:
+        return send(self.target.begin_staged, episode_id, attempt, staging)
+
+    def step_files_target(self) -> Awaitable[dict[str, str]]:
+        return send(self.target.step_files_target)
+
     def write_step(self, episode_id: str, attempt: int, record: dict[str, Any] | None,
                    png_name: str | None = None, *png_parts: bytes) -> Awaitable[None]:
         return send(self.target.write_step, episode_id, attempt, record, png_name, *png_parts)
@@ -93,6 +99,10 @@ class StorageClient(_Client):
     def finish_episode(self, episode_id: str, attempt: int, record: dict[str, Any],
                        messages: list[dict[str, Any]] | None = None) -> Awaitable[str | None]:
         return send(self.target.finish_episode, episode_id, attempt, record, messages)
+
+    def finish_staged(self, episode_id: str, attempt: int, staging: str,
+                      failed: str | None) -> Awaitable[str | None]:
+        return send(self.target.finish_staged, episode_id, attempt, staging, failed)
 
     def record_result(self, record: dict[str, Any]) -> Awaitable[None]:
         return send(self.target.record_result, record)

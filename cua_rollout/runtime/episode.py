@@ -46,7 +46,7 @@ from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.client import Generation, ModelServicePool
 from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.pool import Lease
-from cua_rollout.runtime.storage import EpisodeWriter
+from cua_rollout.runtime.storage import EpisodeWriter, StepFiles
 from cua_rollout.runtime.trajectory import (
     ScreenshotFiles,
     StepRecord,
@@ -124,6 +124,7 @@ class EpisodeHost(Protocol):
     node_id: str | None
     desktop_pool: Any
     storage: Any
+    step_files: StepFiles | None  # None: every write goes through the storage actor
     env_factory: EnvFactory
     background: TaskSet
     phases: StateClock
@@ -166,7 +167,8 @@ class Episode(abc.ABC):
         self.started_at = time.time()
         self.session_id = f"{spec.episode_id}#{spec.attempt}"
         self.files = ScreenshotFiles()
-        self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt)
+        self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt,
+                                    runner.step_files)
         self.steps = 0
         self.max_steps = self.cfg.runner.max_steps
         self.parse_failures = 0

@@ -231,6 +231,7 @@ class _ReplayHost:
         self.node_id = None
         self.desktop_pool = pool
         self.storage = storage
+        self.step_files = None  # the storage is in this process: it writes every file
         self.env_factory = env_factory
         self.background = TaskSet()
         self.phases = StateClock()

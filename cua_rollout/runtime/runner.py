@@ -26,6 +26,7 @@ from cua_rollout.model.client import ModelServicePool
 from cua_rollout.runtime.desktop_episode import DesktopEpisode, open_leased_desktop
 from cua_rollout.runtime.episode import EnvFactory, episode_deadline_s
 from cua_rollout.runtime.monitoring import Metrics
+from cua_rollout.runtime.storage import StepFiles
 from cua_rollout.runtime.text_episode import TextEpisode
 from cua_rollout.runtime.utilization import StateClock
 from cua_rollout.text.benchmark import is_text_task
@@ -65,6 +66,9 @@ class TrajectoryRunner:
         self.env_factory = env_factory
         self.text_env_factory = text_env_factory
         self.node_id = _node_id()
+        # Where this process's episodes write their step files (decided at the first one).
+        self.step_files = StepFiles(storage, cfg.storage,
+                                    f"{runner_id} (node {(self.node_id or 'local')[:12]})")
         self._model: ModelServicePool | None = None
         self._judge: ModelServicePool | None = None
         self._evaluator: Evaluator | None = None
@@ -196,11 +200,15 @@ class TrajectoryRunner:
             # Episodes of this runner waiting out a model outage, and what routing sees.
             "model_waiting": model.waiting if model else 0,
             "model_outage": str(model.outage_status()) if model and model.waiting else None,
+            # Who writes this process's step files ("runner": itself; "storage": the storage
+            # actor; None: no episode yet) and what it wrote itself.
+            "step_files": self.step_files.stats(),
         }
 
     async def close(self) -> None:
         await self.cancel()
         await self.background.wait()
+        self.step_files.close()
         for pool in (self._model, self._judge):
             if pool is not None:
                 await pool.close()

@@ -7,6 +7,15 @@ episode's files are written in call order and ``record_result`` (the results.jso
 lands after that episode's other files. The queues are bounded: a caller that awaits its
 call waits for room, which is the backpressure runners feel when the disk falls behind.
 
+Step files are written where they are made: a runner process that sees the run directory
+(``StepFiles``: a probe, or ``storage.step_files``) writes its episodes' screenshots and
+traj.jsonl lines itself, from a thread; the storage actor then hears only an attempt's begin
+and finish and its results line. Each attempt writes into a staging directory of its own
+(``<run>/.attempts/<name>``), moved into the episode's place when the current attempt
+finishes, so a superseded attempt (a runner declared dead that keeps running) can never mix
+its files into the current one. A runner that cannot see the run directory sends every step
+to the actor (``write_step``), which writes the same staging directory for it.
+
 Each results.jsonl line, once durable, goes to the storage's subscribers: the trainer's index
 (``IndexFeed``, cua_rollout/runtime/index_feed.py) is one; it never holds up a result
 (results.jsonl stays the source of truth; the next start re-syncs the index).
@@ -22,13 +31,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import json
 import logging
 import os
 import shutil
+import threading
 import time
+import uuid
 import zlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,15 +51,17 @@ import aiofiles
 import aiofiles.os
 
 from cua_rollout.config import StorageConfig
-from cua_rollout.core.errors import StorageError
+from cua_rollout.core.errors import ConfigError, StorageError
 from cua_rollout.core.files import (
     append_text,
+    fsync_dir,
     read_json,
     repair_jsonl_tail,
     replace_atomic,
     write_atomic,
 )
 from cua_rollout.core.layout import (
+    ATTEMPTS_DIR,
     EPISODE_FILE,
     MESSAGES_FILE,
     METRICS_FILE,
@@ -55,11 +71,13 @@ from cua_rollout.core.layout import (
     SUPERSEDED_RESULTS_FILE,
     TASK_CONFIG_FILE,
     TRAJ_FILE,
+    staging_name,
 )
 from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.index_feed import IndexFeed
 
-__all__ = ["PART_BYTES", "EpisodeWriter", "StorageActor", "compact_results", "png_parts"]
+__all__ = ["PART_BYTES", "EpisodeWriter", "StepFiles", "StorageActor", "compact_results",
+           "png_parts"]
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +89,15 @@ _INDEX_DRAIN_S = 30.0
 # Writers per actor: episodes are hashed over them, so disk latency of one episode's file
 # does not hold up the others; 4 keeps the thread pool busy without reordering anything.
 _WRITERS = 4
+# Threads writing a runner process's step files. Each episode has one write in flight, so
+# they bound the writes waiting, not the order; 4 cover a shared filesystem's latency (a few
+# ms a file) at far more steps than one runner process makes (~90/s).
+_FILE_THREADS = 4
+# Recorded episodes whose attempt the storage remembers, so that a begin of an older attempt
+# arriving late (its runner was declared dead, then woke up) is refused: ~100 B each.
+_RECORDED_ATTEMPTS = 65536
+# The file the storage writes at the start of a run and runners look for (``StepFiles``).
+_PROBE_PREFIX = "probe-"
 
 
 @dataclass
@@ -98,6 +125,11 @@ class StorageActor:
         self._attempts: dict[str, int] = {}  # episode -> attempt whose files are current
         self._dirs: dict[str, Path] = {}      # episode -> its directory, checked once
         self._failed: dict[str, str] = {}     # episode -> first failed write of its attempt
+        self._staging: dict[str, str] = {}    # episode -> its unfinished attempt's staging dir
+        # episode -> attempt of its results line (the last _RECORDED_ATTEMPTS episodes)
+        self._recorded: OrderedDict[str, int] = OrderedDict()
+        self._attempts_dir = self.run_dir / ATTEMPTS_DIR
+        self._token: str | None = None        # of the probe file runners look for
         self.last_error: str | None = None
         self._root = self.run_dir.resolve()
         self._run_info: dict[str, Any] = {}
@@ -136,6 +168,7 @@ class StorageActor:
             starts.append({k: previous.get(k) for k in ("started_at", "ended_at", "status")})
             self._run_info["previous_starts"] = starts
         await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
+        await self._open_attempts(sweep=True)
         synced = None
         if self.cfg.index:
             synced = await self.index_feed.open(str(self._run_info.get("run")
@@ -148,6 +181,10 @@ class StorageActor:
         """Flush everything (the index for at most ``_INDEX_DRAIN_S``), then mark run.json
         ended with ``status``."""
         await self.flush()
+        # Attempts that never finished (their runners were killed): nothing reads them.
+        await asyncio.to_thread(shutil.rmtree, self._attempts_dir, True)
+        self._token = None
+        self._staging.clear()
         if not await self.index_feed.drain(_INDEX_DRAIN_S):
             log.error("storage: the index is %d episode(s) behind (%s); results.jsonl has "
                       "them: `python -m cua_rollout.training reindex %s` catches it up",
@@ -161,9 +198,27 @@ class StorageActor:
     # ----------------------------------------------------------------- episodes
 
     async def begin_episode(self, episode_id: str, attempt: int, task: dict[str, Any]) -> None:
-        """Start (or restart) an episode's directory: files of earlier attempts are removed,
-        writes still queued for them are dropped."""
+        """Start an attempt whose files this actor writes (``write_step``): a staging
+        directory with task_config.json. Files of an earlier attempt that never finished
+        are removed, writes still queued for it are dropped; a begin of an attempt older
+        than the episode's current (or recorded) one is itself dropped."""
         await self._put(_Job("begin", episode_id, attempt, {"task": task}))
+
+    async def begin_staged(self, episode_id: str, attempt: int, staging: str) -> None:
+        """Start an attempt whose runner writes its files itself, into ``staging`` (a
+        directory of ``.attempts`` that the runner makes once this returns; ``staging_name``):
+        as ``begin_episode``, without a byte of the files."""
+        await self._wait(_Job("begin", episode_id, attempt, {"staging": staging}))
+
+    async def step_files_target(self) -> dict[str, str]:
+        """Where runners find the run directory: its path here and a probe file in it
+        (``StepFiles``): a runner that reads ``token`` from ``<run_dir>/<probe>`` sees the
+        same directory and writes its step files itself."""
+        if self._token is None:
+            await self._open_attempts(sweep=False)
+        assert self._token is not None
+        return {"run_dir": str(self.run_dir.absolute()),
+                "probe": f"{ATTEMPTS_DIR}/{_PROBE_PREFIX}{self._token}", "token": self._token}
 
     async def write_step(
         self,
@@ -191,12 +246,24 @@ class StorageActor:
         record: dict[str, Any],
         messages: list[dict[str, Any]] | None = None,
     ) -> str | None:
-        """episode.json, result.txt (scored episodes) and messages.json of an attempt; returns
-        once they are written, with None, or the first write of this attempt that failed."""
+        """episode.json, result.txt (scored episodes) and messages.json of an attempt, then
+        its files moved into the episode's directory; returns once they are, with None, or
+        the first write of this attempt that failed."""
         await self._wait(_Job("finish", episode_id, attempt,
                               {"record": record, "messages": messages}))
         if self._attempts.get(episode_id) != attempt:
             return None  # superseded: its writes were dropped on purpose
+        return self._failed.get(episode_id)
+
+    async def finish_staged(self, episode_id: str, attempt: int, staging: str,
+                            failed: str | None) -> str | None:
+        """The runner wrote every file of the attempt into ``staging`` (``failed``: the first
+        of its writes that failed): moved into the episode's directory when it is the
+        current attempt's, removed when it was superseded. Answers as ``finish_episode``."""
+        await self._wait(_Job("finish", episode_id, attempt,
+                              {"staging": staging, "failed": failed}))
+        if self._attempts.get(episode_id) != attempt:
+            return None
         return self._failed.get(episode_id)
 
     async def record_result(self, record: dict[str, Any]) -> None:
@@ -211,8 +278,11 @@ class StorageActor:
     async def forget_episode(self, episode_id: str, attempt: int) -> None:
         """An attempt that ends without a result line (cancelled): drop what is kept for it."""
         if self._attempts.get(episode_id) == attempt:
+            staged = self._staging.pop(episode_id, None)
             for kept in (self._attempts, self._dirs, self._failed):
                 kept.pop(episode_id, None)
+            if staged is not None:  # never finished: nothing will move it into place
+                await asyncio.to_thread(shutil.rmtree, self._attempts_dir / staged, True)
 
     async def write_metrics(self, sample: dict[str, Any]) -> None:
         await self._put(_Job("metrics", None, 0, {"sample": sample}))
@@ -241,6 +311,8 @@ class StorageActor:
         self._writers = []
         self._queues = []
         await self.index_feed.close()
+        with contextlib.suppress(OSError):  # the staging area, when empty (a run without end)
+            self._attempts_dir.rmdir()
 
     # ----------------------------------------------------------------- subscribers
 
@@ -256,6 +328,15 @@ class StorageActor:
                 log.exception("storage: a subscriber of results failed")
 
     # ----------------------------------------------------------------- internals
+
+    async def _open_attempts(self, *, sweep: bool) -> None:
+        """The staging area and a new probe file for runners; ``sweep``: a start, where
+        whatever an earlier start left there (attempts of runners gone since) goes."""
+        token = uuid.uuid4().hex
+        await asyncio.to_thread(_open_attempts, self._attempts_dir, token, sweep)
+        self._token = token
+        if sweep:
+            self._staging.clear()
 
     def _ensure_writers(self) -> None:
         # Loop-bound objects are made on the actor's running loop, not in __init__.
@@ -320,62 +401,106 @@ class StorageActor:
             self.counters["metrics"] += 1
             return
         assert job.episode_id is not None
+        episode_id = job.episode_id
         if job.kind == "begin":
-            self._attempts[job.episode_id] = job.attempt
-            self._failed.pop(job.episode_id, None)
-            directory = self._episode_dir(job.episode_id)
-            task = json.dumps(job.payload["task"], indent=2, ensure_ascii=False).encode()
-            await asyncio.to_thread(_begin, directory, task, self.cfg.fsync)
+            await self._begin(job)
             return
         if job.kind == "result":
-            record = job.payload["record"]
-            failed = self._failed.pop(job.episode_id, None)
-            begun = self._attempts.pop(job.episode_id, None)
-            directory = self._episode_dir(job.episode_id)
-            self._dirs.pop(job.episode_id, None)
-            if failed is not None and record.get("status") != "infra_error":
-                # Its files are incomplete: never a result that claims them.
-                record = {**record, "status": "infra_error", "reward": None,
-                          "error": f"storage: {failed}"}
-            if begun != job.attempt:
-                # The directory holds another attempt's files (this one never got a desktop):
-                # it is rewritten so that the line and the directory describe one attempt.
-                await asyncio.to_thread(_rewrite_for, directory, record, self.cfg.fsync)
-            assert self._results_lock is not None
-            async with self._results_lock:
-                await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
-                                        _dumps(record) + "\n", fsync=self.cfg.fsync)
-            self.counters["results"] += 1
-            self._published(record)
+            await self._result(job)
             return
-        if self._attempts.get(job.episode_id) != job.attempt:
+        staging = self._staging.get(episode_id)
+        if (self._attempts.get(episode_id) != job.attempt or staging is None
+                or job.payload.get("staging", staging) != staging):
             # A write of an attempt that was superseded (its runner died and the episode
             # was restarted elsewhere): never mix it into the new attempt's files.
             self.counters["dropped_stale"] += 1
+            stale = job.payload.get("staging")
+            if stale is not None and stale != staging:  # its runner's directory: no use now
+                await asyncio.to_thread(shutil.rmtree, self._staged_path(stale), True)
             return
-        directory = self._episode_dir(job.episode_id)
+        path = self._attempts_dir / staging
         if job.kind == "step":
             parts, name = job.payload["png"], job.payload["png_name"]
             png = b"".join(parts) if parts and name else None  # sent in parts (write_step)
             record = job.payload["record"]
             line = _dumps(record) + "\n" if record is not None else None
-            await asyncio.to_thread(_step, directory, name, png, line, self.cfg.fsync)
+            await asyncio.to_thread(_step, path, name, png, line, self.cfg.fsync)
             if png is not None:
                 self.counters["screenshots"] += 1
                 self.counters["bytes"] += len(png)
             if line is not None:
                 self.counters["steps"] += 1
         elif job.kind == "finish":
-            record = job.payload["record"]
-            files = [(EPISODE_FILE, json.dumps(record, indent=2, ensure_ascii=False,
-                                               default=str).encode())]
-            if record.get("reward") is not None:
-                files.append((OSWORLD_RESULT_FILE, f"{float(record['reward'])}\n".encode()))
-            messages = job.payload["messages"]
-            if messages is not None and self.cfg.save_messages:
-                files.append((MESSAGES_FILE, json.dumps(messages, ensure_ascii=False).encode()))
-            await asyncio.to_thread(_write_files, directory, files, self.cfg.fsync)
+            # From here on the attempt's files are the episode's: a later write of it is
+            # stale, whatever happens below.
+            del self._staging[episode_id]
+            failed = job.payload.get("failed")
+            if failed is not None:  # a write of its runner's
+                self._failed.setdefault(episode_id, failed)
+            files = None
+            if "staging" not in job.payload:  # else its runner wrote them
+                files = _episode_files(job.payload["record"], job.payload["messages"],
+                                       self.cfg.save_messages)
+            await asyncio.to_thread(_finish, path, files, self._episode_dir(episode_id),
+                                    self.cfg.fsync)
             self.counters["episodes"] += 1
+
+    async def _begin(self, job: _Job) -> None:
+        episode_id = job.episode_id
+        assert episode_id is not None
+        newest = max(self._attempts.get(episode_id, -1), self._recorded.get(episode_id, -1))
+        if job.attempt < newest:  # a late begin of a superseded attempt
+            self.counters["dropped_stale"] += 1
+            return
+        previous = self._staging.pop(episode_id, None)  # an attempt that never finished
+        self._attempts[episode_id] = job.attempt
+        self._failed.pop(episode_id, None)
+        self._episode_dir(episode_id)  # an id that leaves the run directory fails here
+        task = job.payload.get("task")
+        name = job.payload.get("staging")
+        if name is None:  # this actor writes the attempt's files
+            name = staging_name(episode_id, job.attempt, uuid.uuid4().hex[:12])
+        self._staged_path(name)
+        self._staging[episode_id] = name
+        data = None if task is None else json.dumps(task, indent=2, ensure_ascii=False).encode()
+        await asyncio.to_thread(_begin, self._attempts_dir, previous, name, data, self.cfg.fsync)
+
+    async def _result(self, job: _Job) -> None:
+        episode_id = job.episode_id
+        assert episode_id is not None
+        record = job.payload["record"]
+        failed = self._failed.pop(episode_id, None)
+        begun = self._attempts.pop(episode_id, None)
+        unfinished = self._staging.pop(episode_id, None)  # began, never finished: its runner died
+        directory = self._episode_dir(episode_id)
+        self._dirs.pop(episode_id, None)
+        self._recorded[episode_id] = job.attempt
+        self._recorded.move_to_end(episode_id)
+        while len(self._recorded) > _RECORDED_ATTEMPTS:
+            self._recorded.popitem(last=False)
+        if failed is not None and record.get("status") != "infra_error":
+            # Its files are incomplete: never a result that claims them.
+            record = {**record, "status": "infra_error", "reward": None,
+                      "error": f"storage: {failed}"}
+        if begun != job.attempt or unfinished is not None:
+            # The directory must describe this line's attempt: another attempt's files are
+            # replaced (this one never got a desktop), or the files of this one, as far as
+            # they got, are moved into place with the line's record.
+            staging = self._attempts_dir / unfinished if unfinished is not None else None
+            await asyncio.to_thread(_settle, staging, directory, record, begun == job.attempt,
+                                    self.cfg.fsync)
+        assert self._results_lock is not None
+        async with self._results_lock:
+            await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
+                                    _dumps(record) + "\n", fsync=self.cfg.fsync)
+        self.counters["results"] += 1
+        self._published(record)
+
+    def _staged_path(self, name: str) -> Path:
+        """A staging directory by name (one path component in ``.attempts``)."""
+        if not name or name in (".", "..") or "/" in name or "\0" in name:
+            raise ValueError(f"staging directory {name!r} is not a name in {ATTEMPTS_DIR}")
+        return self._attempts_dir / name
 
     async def _write_atomic(self, path: Path, data: bytes) -> None:
         await asyncio.to_thread(write_atomic, path, data, fsync=self.cfg.fsync)
@@ -384,10 +509,30 @@ class StorageActor:
 # ----------------------------------------------------------------- file work (in threads)
 
 
-def _begin(directory: Path, task: bytes, fsync: bool) -> None:
-    shutil.rmtree(directory, ignore_errors=True)
-    directory.mkdir(parents=True, exist_ok=True)
-    write_atomic(directory / TASK_CONFIG_FILE, task, fsync=fsync)
+def _open_attempts(attempts: Path, token: str, sweep: bool) -> None:
+    if sweep:
+        shutil.rmtree(attempts, ignore_errors=True)
+    attempts.mkdir(parents=True, exist_ok=True)
+    for old in attempts.glob(f"{_PROBE_PREFIX}*"):
+        old.unlink(missing_ok=True)
+    write_atomic(attempts / f"{_PROBE_PREFIX}{token}", token.encode())
+
+
+def _begin(attempts: Path, previous: str | None, name: str, task: bytes | None,
+           fsync: bool) -> None:
+    if previous is not None:
+        shutil.rmtree(attempts / previous, ignore_errors=True)
+    attempts.mkdir(parents=True, exist_ok=True)
+    if task is not None:  # the actor writes this attempt's files (else its runner does)
+        (attempts / name).mkdir()
+        write_atomic(attempts / name / TASK_CONFIG_FILE, task, fsync=fsync)
+
+
+def _make_staging(staging: Path, task: bytes, fsync: bool) -> None:
+    """A runner's begin: never ``parents``, so an attempt whose staging area was swept (the
+    run ended or started again) fails instead of writing where nothing will look."""
+    staging.mkdir()
+    write_atomic(staging / TASK_CONFIG_FILE, task, fsync=fsync)
 
 
 def _step(directory: Path, name: str | None, png: bytes | None, line: str | None,
@@ -396,6 +541,74 @@ def _step(directory: Path, name: str | None, png: bytes | None, line: str | None
         write_atomic(directory / name, png, fsync=fsync)
     if line is not None:
         append_text(directory / TRAJ_FILE, line, fsync=fsync)
+
+
+def _episode_files(record: dict[str, Any], messages: list[dict[str, Any]] | None,
+                   save_messages: bool) -> list[tuple[str, bytes]]:
+    """episode.json, result.txt (a scored episode) and messages.json, as written."""
+    files = [(EPISODE_FILE, json.dumps(record, indent=2, ensure_ascii=False,
+                                       default=str).encode())]
+    if record.get("reward") is not None:
+        files.append((OSWORLD_RESULT_FILE, f"{float(record['reward'])}\n".encode()))
+    if messages is not None and save_messages:
+        files.append((MESSAGES_FILE, json.dumps(messages, ensure_ascii=False).encode()))
+    return files
+
+
+def _promote(staging: Path, directory: Path, fsync: bool) -> bool:
+    """Move an attempt's staging directory to the episode's place, replacing what an earlier
+    attempt left there (moved aside first: a directory is renamed only onto an empty one).
+    False when there is no staging directory (its begin failed)."""
+    if not staging.is_dir():
+        return False
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        os.rename(staging, directory)
+    except OSError as exc:
+        if exc.errno not in (errno.EEXIST, errno.ENOTEMPTY):
+            raise
+        aside = staging.with_name(f"{staging.name}.replaced")
+        os.rename(directory, aside)
+        os.rename(staging, directory)
+        shutil.rmtree(aside, ignore_errors=True)
+    if fsync:  # the renames survive a power loss before the results line counts
+        fsync_dir(directory.parent)
+        fsync_dir(staging.parent)
+    return True
+
+
+def _finish(staging: Path, files: list[tuple[str, bytes]] | None, directory: Path,
+            fsync: bool) -> None:
+    """The attempt's last files (None: its runner wrote them), then the attempt moved into
+    place, even when they failed (the directory shows what was written)."""
+    error: OSError | None = None
+    if files is not None:
+        try:
+            _write_files(staging, files, fsync)
+        except OSError as exc:
+            error = exc
+    moved = _promote(staging, directory, fsync)
+    if error is not None:
+        raise error
+    if not moved:
+        raise FileNotFoundError(errno.ENOENT, "the attempt's directory is gone", str(staging))
+
+
+def _settle(staging: Path | None, directory: Path, record: dict[str, Any], same_attempt: bool,
+            fsync: bool) -> None:
+    """Before a results line whose attempt did not finish writing: the files of an attempt
+    that never finished moved into place (``staging``), then the directory made to describe
+    the line's attempt: with its record when the line is that attempt's, else only the task
+    and the record (``_rewrite_for``)."""
+    if staging is not None:
+        _promote(staging, directory, fsync)
+    if not same_attempt:
+        _rewrite_for(directory, record, fsync)
+        return
+    directory.mkdir(parents=True, exist_ok=True)
+    write_atomic(directory / EPISODE_FILE,
+                 json.dumps(record, indent=2, ensure_ascii=False, default=str).encode(),
+                 fsync=fsync)
 
 
 def _rewrite_for(directory: Path, record: dict[str, Any], fsync: bool) -> None:
@@ -513,43 +726,196 @@ def png_parts(png: bytes) -> list[bytes]:
 # ----------------------------------------------------------------- the runner's side
 
 
-class EpisodeWriter:
-    """A runner's handle on the files of one episode attempt in the storage actor (a Ray
-    actor handle or a local ``StorageActor``). Calls go out in order with one in flight: the
-    files are written in step order, and a storage that falls behind slows this episode down
-    instead of piling screenshots up in the runner's memory."""
+class StepFiles:
+    """A runner process's way to its episodes' files, decided once, at its first episode:
+    written here when this node sees the run directory at the storage's path (it reads the
+    probe file the storage wrote at the run's start), else sent to the storage actor.
+    ``storage.step_files`` may force either; ``runner`` where the probe fails is an error
+    (a ``ConfigError``: the run stops). Writes run on a few threads of this process, off its
+    event loop."""
 
-    def __init__(self, storage: Any, episode_id: str, attempt: int) -> None:
+    def __init__(self, storage: Any, cfg: StorageConfig, name: str) -> None:
+        self.storage = StorageClient(storage)
+        self.cfg = cfg
+        self.name = name  # for the log: which runner, on which node
+        self.mode: str | None = None  # "runner" or "storage", once decided
+        self.attempts: Path | None = None  # the staging area, when written here
+        self.counters = {"steps": 0, "screenshots": 0, "bytes": 0, "errors": 0}
+        self.last_error: str | None = None
+        self._deciding: asyncio.Lock | None = None
+        self._executor: ThreadPoolExecutor | None = None
+        self._counting = threading.Lock()
+
+    async def local(self) -> bool:
+        """Whether this process writes its step files itself (probed on the first call)."""
+        if self.mode is None:
+            if self._deciding is None:
+                self._deciding = asyncio.Lock()
+            async with self._deciding:
+                if self.mode is None:
+                    self.mode = await self._decide()
+        return self.mode == "runner"
+
+    async def _decide(self) -> str:
+        if self.cfg.step_files == "storage":
+            log.info("%s: step files go through the storage actor (storage.step_files: "
+                     "storage)", self.name)
+            return "storage"
+        target = await self.storage.step_files_target()
+        run_dir = Path(target["run_dir"])
+        seen = await asyncio.to_thread(_read_probe, run_dir / target["probe"])
+        if seen == target["token"]:
+            self.attempts = run_dir / ATTEMPTS_DIR
+            log.info("%s: writes its step files into %s itself", self.name, run_dir)
+            return "runner"
+        why = (f"{run_dir} is not the run directory the storage writes here "
+               f"({target['probe']}: {seen or 'missing'})")
+        if self.cfg.step_files == "runner":
+            raise ConfigError(f"storage.step_files is runner, but {self.name}: {why}; mount "
+                              "the run directory at the same path on every node, or set "
+                              "storage.step_files: auto")
+        # A warning (Ray shows runners' warnings, not their info lines): every step's bytes
+        # now pass through the one storage process.
+        log.warning("%s: step files go through the storage actor: %s (a run directory "
+                    "shared at the same path on every node lets runners write them)",
+                    self.name, why)
+        return "storage"
+
+    def submit(self, work: Callable[..., None], *args: Any) -> asyncio.Future[None]:
+        """Run ``work(*args)`` on this process's file threads."""
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(_FILE_THREADS, thread_name_prefix="step-files")
+        return asyncio.get_running_loop().run_in_executor(self._executor, work, *args)
+
+    def count(self, png: bytes | None, line: str | None) -> None:
+        """A step written (from a file thread)."""
+        with self._counting:
+            if png is not None:
+                self.counters["screenshots"] += 1
+                self.counters["bytes"] += len(png)
+            if line is not None:
+                self.counters["steps"] += 1
+
+    def failed(self, error: str) -> None:
+        """A write that failed (from a file thread)."""
+        log.error("%s: %s", self.name, error)
+        with self._counting:
+            self.counters["errors"] += 1
+            self.last_error = error
+
+    def stats(self) -> dict[str, Any]:
+        return {"mode": self.mode, **self.counters, "last_error": self.last_error}
+
+    def close(self) -> None:
+        """After the last episode's writes (they are awaited before an episode ends)."""
+        if self._executor is not None:
+            self._executor.shutdown(wait=False)
+            self._executor = None
+
+
+def _read_probe(path: Path) -> str | None:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
+
+
+class EpisodeWriter:
+    """A runner's handle on the files of one episode attempt. Where its process writes step
+    files itself (``files``, ``StepFiles``), they go from a file thread into the attempt's
+    staging directory and the storage actor hears only begin and finish; else each write is
+    a call to the storage actor (a Ray actor handle or a local ``StorageActor``). Either way
+    one write is in flight at a time: the files are written in step order, and a disk (or a
+    storage) that falls behind slows this episode down instead of piling screenshots up in
+    the runner's memory. A write that fails is kept; ``finish`` answers with it."""
+
+    def __init__(self, storage: Any, episode_id: str, attempt: int,
+                 files: StepFiles | None = None) -> None:
         self.storage = StorageClient(storage)
         self.episode_id = episode_id
         self.attempt = attempt
-        self._pending: Awaitable[Any] | None = None
+        self.files = files
+        self.failed: str | None = None  # the first write of this process's that failed
+        self._staging: str | None = None  # the attempt's staging name, when written here
+        self._path: Path | None = None
+        self._pending: asyncio.Future[Any] | None = None
 
     async def begin(self, task: dict[str, Any]) -> None:
         """Start the attempt's directory (and wait until it is started)."""
         await self.flush()
-        self._pending = self.storage.begin_episode(self.episode_id, self.attempt, task)
+        if self.files is not None and await self.files.local():
+            assert self.files.attempts is not None
+            name = staging_name(self.episode_id, self.attempt, uuid.uuid4().hex[:12])
+            await self.storage.begin_staged(self.episode_id, self.attempt, name)
+            self._staging, self._path = name, self.files.attempts / name
+            self._pending = self.files.submit(self._begin_here, task)
+        else:
+            self._pending = asyncio.ensure_future(
+                self.storage.begin_episode(self.episode_id, self.attempt, task))
         await self.flush()
 
     async def step(self, record: dict[str, Any] | None, png_name: str | None = None,
                    png: bytes | None = None) -> None:
         """A traj.jsonl line and/or the screenshot ``png_name``."""
         await self.flush()
-        self._pending = self.storage.write_step(
+        if self.files is not None and self._path is not None:
+            self._pending = self.files.submit(self._step_here, record, png_name, png)
+            return
+        self._pending = asyncio.ensure_future(self.storage.write_step(
             self.episode_id, self.attempt, record, png_name,
-            *(png_parts(png) if png is not None and png_name else ()))
+            *(png_parts(png) if png is not None and png_name else ())))
 
     async def finish(self, record: dict[str, Any],
                      messages: list[dict[str, Any]] | None) -> str | None:
-        """episode.json, result.txt and messages.json of the attempt, written; returns None,
-        or the first write of the attempt that failed (its files are incomplete)."""
+        """episode.json, result.txt and messages.json of the attempt, written and moved into
+        place; returns None, or the first write of the attempt that failed (its files are
+        incomplete)."""
         await self.flush()
-        return await self.storage.finish_episode(self.episode_id, self.attempt, record,
-                                                 messages)
+        if self.files is None or self._staging is None:
+            return await self.storage.finish_episode(self.episode_id, self.attempt, record,
+                                                     messages)
+        self._pending = self.files.submit(self._finish_here, record, messages)
+        await self.flush()
+        return await self.storage.finish_staged(self.episode_id, self.attempt, self._staging,
+                                                self.failed)
 
     async def flush(self) -> None:
-        """Wait for the call in flight."""
+        """Wait for the write in flight (it is not cut short when the wait is cancelled, and
+        the next write still waits for it)."""
         if self._pending is not None:
-            pending, self._pending = self._pending, None
-            await pending
+            await asyncio.shield(self._pending)
+            self._pending = None
 
+    # The file work, on a thread of StepFiles: nothing raises into the episode.
+
+    def _begin_here(self, task: dict[str, Any]) -> None:
+        assert self._path is not None and self.files is not None
+        data = json.dumps(task, indent=2, ensure_ascii=False).encode()
+        self._guard("begin", _make_staging, self._path, data, self.files.cfg.fsync)
+
+    def _step_here(self, record: dict[str, Any] | None, png_name: str | None,
+                   png: bytes | None) -> None:
+        assert self._path is not None and self.files is not None
+        png = png if png_name else None
+        line = _dumps(record) + "\n" if record is not None else None
+        if self._guard("step", _step, self._path, png_name, png, line, self.files.cfg.fsync):
+            self.files.count(png, line)
+
+    def _finish_here(self, record: dict[str, Any],
+                     messages: list[dict[str, Any]] | None) -> None:
+        assert self._path is not None and self.files is not None
+        files = _episode_files(record, messages, self.files.cfg.save_messages)
+        self._guard("finish", _write_files, self._path, files, self.files.cfg.fsync)
+
+    def _guard(self, kind: str, work: Callable[..., None], *args: Any) -> bool:
+        """``work(*args)``; a failure is kept (the first) and counted, never raised."""
+        assert self.files is not None
+        try:
+            work(*args)
+        except Exception as exc:
+            error = f"{kind}: {exc}"
+            if self.failed is None:
+                self.failed = error
+            self.files.failed(f"{self.episode_id} attempt {self.attempt}: {error}")
+            return False
+        return True

@@ -65,12 +65,16 @@ async def test_writes_of_a_superseded_attempt_are_dropped(tmp_path: Path):
     await storage.begin_episode(episode, 1, {"id": "t"})
     await storage.write_step(episode, 0, {"step_num": 2, "attempt": 0}, "step_2.png", PNG)
     await storage.write_step(episode, 1, {"step_num": 1, "attempt": 1})
-    await storage.finish_episode(episode, 0, _record(episode, 0), None)
+    assert await storage.finish_episode(episode, 0, _record(episode, 0), None) is None
     await storage.flush()
     directory = tmp_path / episode
-    assert sorted(p.name for p in directory.iterdir()) == ["task_config.json", "traj.jsonl"]
+    assert not directory.exists(), "attempt 1 still runs: nothing is in place yet"
+    assert await storage.finish_episode(episode, 1, _record(episode, 1), None) is None
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "result.txt", "task_config.json", "traj.jsonl"]
     lines = [json.loads(x) for x in (directory / "traj.jsonl").read_text().splitlines()]
     assert lines == [{"step_num": 1, "attempt": 1}]
+    assert json.loads((directory / "episode.json").read_text())["attempt"] == 1
     assert storage.stats()["dropped_stale"] == 2
     await storage.close()
 
@@ -156,6 +160,7 @@ async def test_callers_wait_when_the_queue_is_full(tmp_path: Path, monkeypatch):
     assert not blocked.done(), "a full queue must make the caller wait"
     gate.set()
     await asyncio.wait_for(blocked, 5)
+    await storage.finish_episode(episode, 0, _record(episode), None)
     await storage.close()
     lines = (tmp_path / episode / "traj.jsonl").read_text().splitlines()
     assert [json.loads(x)["step_num"] for x in lines] == [1, 2]

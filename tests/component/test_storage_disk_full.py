@@ -13,6 +13,7 @@ import pytest
 from cua_rollout.config import StorageConfig
 from cua_rollout.core.errors import StorageError
 from cua_rollout.core.files import append_text, repair_jsonl_tail
+from cua_rollout.core.layout import ATTEMPTS_DIR
 from cua_rollout.runtime.storage import StorageActor, compact_results
 from tests.doubles.disk import fill
 from tests.support import small_filesystem
@@ -64,7 +65,8 @@ async def test_a_result_whose_files_failed_is_recorded_as_an_infra_error(tmp: Pa
     await storage.start_run({"run": "x"})
     await storage.begin_episode("d/t0/0", 0, TASK)
     await storage.flush()
-    (tmp / "run" / "d" / "t0" / "0" / "step_0.png").mkdir()  # the screenshot cannot land
+    (staging,) = [d for d in (tmp / "run" / ATTEMPTS_DIR).iterdir() if d.is_dir()]
+    (staging / "step_0.png").mkdir()  # the screenshot cannot land
     await storage.write_step("d/t0/0", 0, None, "step_0.png", b"png")
     failed = await storage.finish_episode("d/t0/0", 0, record("d/t0/0"))
     assert failed is not None and failed.startswith("step: ")

@@ -264,11 +264,12 @@ def test_a_second_ctrl_c_cancels_running_episodes_without_recording_them(tmp):
     tasks = ["calc-add", "editor-replace-all", "terminal-hello-file"]
     sets = [f"tasks.task_ids={json.dumps(tasks)}", "tasks.rollouts_per_task=1"]
     run_dir = tmp / "results" / "demo"
-    # Both desktops are mid-episode when Ctrl-C is pressed twice.
+    # Both desktops are mid-episode when Ctrl-C is pressed twice (a running attempt's files
+    # are in the staging area until it ends).
     with slow_scripted_policy(DEMO, sets, latency_s=0.5) as slow:
         code, stderr = _interrupt_when(
             _command(tmp, *sets, *slow),
-            lambda: len(list(run_dir.glob("*/*/0/traj.jsonl"))) >= 2, ctrl_c=2)
+            lambda: len(list(run_dir.glob(".attempts/*/traj.jsonl"))) >= 2, ctrl_c=2)
     assert code == 130, stderr[-3000:]
     recorded = _results(run_dir) if (run_dir / "results.jsonl").exists() else []
     assert all(r["status"] == "success" for r in recorded)

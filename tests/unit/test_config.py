@@ -147,7 +147,7 @@ evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path:
              worker_start_timeout_s: 30}
 storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
           database_url: "postgresql+psycopg://rollout@db:5432/rollout",
-          database_password_env: DB_PASSWORD}
+          database_password_env: DB_PASSWORD, step_files: storage}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
              tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp}
 text:
@@ -204,6 +204,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.desktops.static.reset == "command"
     assert cfg.evaluation.engine == "osworld" and cfg.evaluation.worker_start_timeout_s == 30
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
+    assert cfg.storage.step_files == "storage"
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
     assert cfg.coordinator.outage_give_up_s == 600
     assert cfg.run_dir == Path("out/exp-1")
@@ -277,6 +278,8 @@ def test_misspelt_key_fails_with_its_path_and_file(tmp_path, text, key):
         ("desktops: {provider: vmware}", "desktops.provider", "'local'"),
         ("desktops: {kubernetes: {reset: restore}}", "desktops.kubernetes.reset",
          "Input should be 'builtin' or 'vm' (got 'restore')"),
+        ("storage: {step_files: nfs}", "storage.step_files",
+         "Input should be 'auto', 'runner' or 'storage' (got 'nfs')"),
     ],
 )
 def test_wrong_type_fails_with_its_path(tmp_path, text, key, fragment):

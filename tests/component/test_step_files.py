@@ -1,0 +1,289 @@
+"""Step files written where they are made (issue 33, item 1): a runner process that sees the
+run directory writes its episodes' screenshots and traj.jsonl lines itself, into a staging
+directory per attempt that the storage moves into place when the current attempt finishes;
+a runner that does not see it sends them to the storage actor. A real StorageActor, StepFiles
+and EpisodeWriter in one process; for the full disk, the coordinator's whole world."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import cua_rollout.runtime.storage as storage_module
+from cua_rollout.config import StorageConfig, load_config
+from cua_rollout.core.errors import ConfigError
+from cua_rollout.core.layout import ATTEMPTS_DIR, RESULTS_FILE, staging_name
+from cua_rollout.core.types import EpisodeSpec
+from cua_rollout.runtime.coordinator import AgentCoordinator
+from cua_rollout.runtime.pool import DesktopPool
+from cua_rollout.runtime.runner import TrajectoryRunner
+from cua_rollout.runtime.storage import EpisodeWriter, StepFiles, StorageActor
+from tests.doubles.disk import fill
+from tests.doubles.fake_desktop import FakeDesktop, FakeProvider
+from tests.doubles.fake_openai import FakeOpenAIServer
+from tests.support import REPO_ROOT, small_filesystem
+
+PNG = b"\x89PNG\r\n\x1a\n" + b"\0" * 64
+PNG_1 = b"\x89PNG\r\n\x1a\n" + b"\1" * 64
+TASK = {"id": "t", "instruction": "do it"}
+EPISODE = "d/t/0"
+
+
+def record(episode_id: str = EPISODE, attempt: int = 0, status: str = "success") -> dict:
+    domain, task_id, rollout = episode_id.split("/")
+    return {"episode_id": episode_id, "task_id": task_id, "domain": domain,
+            "rollout": int(rollout), "attempt": attempt, "status": status,
+            "reward": 1.0 if status == "success" else None, "steps": 1}
+
+
+async def started(run: Path) -> StorageActor:
+    storage = StorageActor(run, StorageConfig(index=False))
+    await storage.start_run({"run": "t"})
+    return storage
+
+
+def files_of(storage: StorageActor, mode: str = "auto", name: str = "r0") -> StepFiles:
+    return StepFiles(storage, StorageConfig(step_files=mode), name)  # type: ignore[arg-type]
+
+
+def traj(directory: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in (directory / "traj.jsonl").read_text().splitlines()]
+
+
+def staged(run: Path) -> list[str]:
+    """What the staging area holds besides the runners' probe."""
+    return sorted(p.name for p in (run / ATTEMPTS_DIR).iterdir()
+                  if not p.name.startswith("probe-"))
+
+
+async def test_a_runner_that_sees_the_run_directory_writes_the_step_files_itself(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture):
+    run = tmp_path / "run"
+    storage = await started(run)
+    files = files_of(storage)
+    # What the episode's directory holds at the moment its results line is appended.
+    at_line: list[list[str]] = []
+    real_append = storage_module.append_text
+
+    def append(path: Path, text: str, **kw: Any) -> None:
+        if path.name == RESULTS_FILE:
+            at_line.append(sorted(p.name for p in (run / EPISODE).iterdir()))
+            assert len(traj(run / EPISODE)) == 2
+        real_append(path, text, **kw)
+
+    monkeypatch.setattr(storage_module, "append_text", append)
+    writer = EpisodeWriter(storage, EPISODE, 0, files)
+    with caplog.at_level(logging.INFO, logger=storage_module.__name__):
+        await writer.begin(TASK)
+    assert "r0: writes its step files into" in caplog.text
+    await writer.step(None, "step_0.png", PNG)
+    await writer.step({"step_num": 1}, "step_1.png", PNG_1)
+    await writer.step({"step_num": 2, "done": True})
+    await writer.flush()
+    assert not (run / EPISODE).exists(), "a running attempt's files are staged"
+    (name,) = staged(run)
+    assert sorted(p.name for p in (run / ATTEMPTS_DIR / name).iterdir()) == [
+        "step_0.png", "step_1.png", "task_config.json", "traj.jsonl"]
+    assert await writer.finish(record(), [{"role": "user"}]) is None
+    await storage.record_result(record())
+    await storage.close()
+
+    expected = ["episode.json", "messages.json", "result.txt", "step_0.png", "step_1.png",
+                "task_config.json", "traj.jsonl"]
+    assert at_line == [expected], "the files are complete before the results line"
+    directory = run / EPISODE
+    assert [s["step_num"] for s in traj(directory)] == [1, 2]
+    assert (directory / "step_1.png").read_bytes() == PNG_1
+    assert json.loads((directory / "task_config.json").read_text()) == TASK
+    assert json.loads((directory / "episode.json").read_text())["attempt"] == 0
+    assert staged(run) == []
+    # The storage actor carried no step; the runner's process wrote them.
+    stats = storage.stats()
+    assert (stats["steps"], stats["screenshots"], stats["episodes"]) == (0, 0, 1)
+    assert files.stats() == {"mode": "runner", "steps": 2, "screenshots": 2,
+                             "bytes": len(PNG) + len(PNG_1), "errors": 0, "last_error": None}
+    files.close()
+
+
+async def test_a_stale_attempts_writes_never_reach_the_episodes_directory(tmp_path: Path):
+    """Attempt 0's runner is declared dead but keeps running: it writes after attempt 1 began
+    elsewhere, finishes after it, and even begins again after attempt 1's results line."""
+    run = tmp_path / "run"
+    storage = await started(run)
+    dead, alive = files_of(storage, name="r0"), files_of(storage, name="r1")
+    old = EpisodeWriter(storage, EPISODE, 0, dead)
+    await old.begin(TASK)
+    await old.step({"step_num": 1, "attempt": 0}, "step_1.png", PNG)
+    await old.flush()
+
+    new = EpisodeWriter(storage, EPISODE, 1, alive)
+    await new.begin(TASK)  # removes attempt 0's staging directory
+    await old.step({"step_num": 2, "attempt": 0}, "step_2.png", PNG)
+    assert await old.finish(record(attempt=0), None) is None  # superseded: not moved
+    assert old.failed is not None and "No such file or directory" in old.failed
+    assert not (run / EPISODE).exists()
+    await new.step({"step_num": 1, "attempt": 1}, "step_1.png", PNG_1)
+    assert await new.finish(record(attempt=1), None) is None
+    await storage.record_result(record(attempt=1))
+
+    late = EpisodeWriter(storage, EPISODE, 0, dead)  # its runner wakes up once more
+    await late.begin(TASK)
+    await late.step({"step_num": 1, "attempt": 0}, "step_1.png", PNG)
+    assert await late.finish(record(attempt=0), None) is None
+    await storage.close()
+
+    directory = run / EPISODE
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "result.txt", "step_1.png", "task_config.json", "traj.jsonl"]
+    assert traj(directory) == [{"step_num": 1, "attempt": 1}]
+    assert (directory / "step_1.png").read_bytes() == PNG_1
+    assert json.loads((directory / "episode.json").read_text())["attempt"] == 1
+    assert storage.stats()["dropped_stale"] == 3  # old finish, late begin, late finish
+    assert staged(run) == [], "the stale attempts' staging directories are removed"
+    lines = (run / RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(x)["attempt"] for x in lines] == [1]
+    for files in (dead, alive):
+        files.close()
+
+
+async def test_a_runner_that_does_not_see_the_run_directory_sends_its_steps(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture):
+    run = tmp_path / "run"
+    storage = await started(run)
+    # Another node's directory at the same path: a probe file, not this run's token.
+    target = await storage.step_files_target()
+    (Path(target["run_dir"]) / target["probe"]).write_text("another run's token")
+    files = files_of(storage)
+    writer = EpisodeWriter(storage, EPISODE, 0, files)
+    with caplog.at_level(logging.INFO, logger=storage_module.__name__):
+        await writer.begin(TASK)
+    assert "r0: step files go through the storage actor" in caplog.text
+    await writer.step(None, "step_0.png", PNG)
+    await writer.step({"step_num": 1, "done": True})
+    assert await writer.finish(record(), None) is None
+    await storage.record_result(record())
+    assert files.mode == "storage" and files.counters["steps"] == 0
+    stats = storage.stats()
+    assert (stats["steps"], stats["screenshots"]) == (1, 1)
+    directory = run / EPISODE
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "result.txt", "step_0.png", "task_config.json", "traj.jsonl"]
+    assert staged(run) == []
+
+    # storage.step_files: runner, where the run directory is not visible, stops the run.
+    forced = EpisodeWriter(storage, "d/t/1", 0, files_of(storage, "runner"))
+    with pytest.raises(ConfigError, match=r"storage\.step_files is runner, but r0: .*token"):
+        await forced.begin(TASK)
+    # storage.step_files: storage never probes.
+    through = files_of(storage, "storage")
+    assert not await through.local() and through.mode == "storage"
+    await storage.close()
+
+
+async def test_an_attempt_that_never_finished_is_recorded_with_the_files_it_wrote(
+        tmp_path: Path):
+    """Its runner died mid-episode and the coordinator records the attempt as an infra
+    error: the directory shows what it wrote, with the line's record."""
+    run = tmp_path / "run"
+    storage = await started(run)
+    files = files_of(storage)
+    writer = EpisodeWriter(storage, EPISODE, 0, files)
+    await writer.begin(TASK)
+    await writer.step(None, "step_0.png", PNG)
+    await writer.flush()
+    died = {**record(status="infra_error"), "error": "runner runner-0 died"}
+    await storage.record_result(died)
+    await storage.close()
+    directory = run / EPISODE
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "step_0.png", "task_config.json"]
+    assert json.loads((directory / "episode.json").read_text())["error"] == died["error"]
+    assert staged(run) == []
+    files.close()
+
+
+def test_a_staging_name_is_one_new_path_component_for_any_episode_id():
+    for episode_id in ("d/t/0", "../../etc/x", "a" * 300 + "/t/0", "d/t%2F/1", ".."):
+        name = staging_name(episode_id, 2, "n0")
+        assert "/" not in name and name not in (".", "..") and len(name.encode()) < 255
+        assert name.endswith(".2.n0")
+    assert staging_name("d/t/0", 0, "a") != staging_name("d/t/0", 0, "b")
+    assert staging_name("d/t/0", 0, "a") != staging_name("d%2Ft/0", 0, "a")
+
+
+async def test_the_storage_refuses_a_staging_name_that_is_not_one_component(tmp_path: Path):
+    run = tmp_path / "run"
+    storage = await started(run)
+    (tmp_path / "escape").mkdir()  # what "../escape" would name from the staging area
+    await storage.begin_staged(EPISODE, 0, "../../escape")
+    failed = await storage.finish_staged(EPISODE, 0, "../../escape", None)
+    assert failed is not None and "is not a name in .attempts" in failed
+    assert (tmp_path / "escape").is_dir() and not (run / EPISODE).exists()
+    await storage.close()
+
+
+async def test_a_full_disk_on_the_runner_side_is_an_error_that_is_never_recorded(tmp: Path):
+    """The disk fills while an episode runs: the runner's own write fails, the episode ends
+    as a fatal infra error (its files are incomplete), the coordinator records nothing and
+    stops the run, which a rerun resumes."""
+    with small_filesystem(tmp / "fs", 2 * 1024 * 1024) as fs:
+        filler: list[Path] = []
+
+        def reply(body: dict[str, Any]) -> str:
+            if not filler:  # the screen after this click cannot be saved
+                filler.append(fill(fs))
+                return "Action: click(start_box='(10,10)')"
+            return "Action: call_user()"
+
+        server = FakeOpenAIServer(reply=reply).start()
+        cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
+            f"run.output_dir={fs / 'results'}", "model.scripted=false",
+            f"model.endpoints={json.dumps([server.url])}", "model.retries=0",
+            "desktops.count=1", "desktops.warm_spares=0", "runner.action_pause_s=0",
+            "coordinator.max_concurrent_episodes=1", "coordinator.episodes_per_runner=1",
+            "coordinator.max_retries=0", "monitoring.ray_metrics=false",
+            "storage.index=false", f"desktops.download_cache_dir={tmp}"])
+        provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))
+        pool = DesktopPool(cfg.desktops, provider)
+        await pool.start()
+        storage = StorageActor(cfg.run_dir, cfg.storage)
+        await storage.start_run({"run": "full"})
+        coordinator = AgentCoordinator(cfg, pool, storage, use_ray=False)
+        runners: list[TrajectoryRunner] = []
+
+        def runner(*args: Any) -> TrajectoryRunner:
+            runners.append(TrajectoryRunner(*args, env_factory=provider.env_factory))
+            return runners[-1]
+
+        coordinator.runner_factory = runner
+        try:
+            await coordinator.submit([EpisodeSpec("t0", "d", 0, {
+                "id": "t0", "instruction": "x", "config": [],
+                "evaluator": {"func": "infeasible"}})])
+            for _ in range(600):
+                stats = (await coordinator.poll())["stats"]
+                if stats["fatal"] and not stats["episodes_in_flight"]:
+                    break
+                await asyncio.sleep(0.05)
+            assert stats["fatal"] and stats["fatal"].startswith("storage: StorageError: step: ")
+            assert "No space left on device" in stats["fatal"]
+            await storage.flush()
+            results = cfg.run_dir / RESULTS_FILE
+            assert not results.exists() or results.read_text() == ""
+            (only,) = runners
+            assert only.stats()["step_files"]["mode"] == "runner"
+            assert only.stats()["step_files"]["errors"] >= 1
+            assert storage.stats()["steps"] == 0  # nothing went through the actor
+        finally:
+            await coordinator.drain(cancel=True, timeout_s=10)
+            await coordinator.shutdown()
+            await pool.stop()
+            await storage.close()
+            server.stop()
+            for made in filler:
+                made.unlink()
