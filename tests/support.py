@@ -285,3 +285,27 @@ def qemu_children(parent: int | None = None) -> list[Any]:
                     (proc.cmdline() or [""])[0]).name.startswith("qemu-system"):
                 found.append(proc)
     return found
+
+
+def kill_qemu_children() -> list[int]:
+    """Kill the live QEMU processes under this process, so none is left for the next test;
+    their pids (a test's teardown asserts there were none)."""
+    import psutil
+
+    left = qemu_children()
+    for proc in left:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            proc.kill()
+    return [p.pid for p in left]
+
+
+async def release_and_lease(pool: Any, lease: Any, rounds: int) -> tuple[Any, list[float]]:
+    """Give ``lease`` back and lease again, ``rounds`` times (each a reset of the desktop);
+    the last lease and the seconds each round took."""
+    took = []
+    for round_ in range(rounds):
+        t0 = time.monotonic()
+        await pool.release(lease.lease_id)
+        lease = await pool.lease(f"after-{round_}")
+        took.append(time.monotonic() - t0)
+    return lease, took

@@ -47,7 +47,7 @@ from tests.doubles.vm_guest import (
     TestGuest,
     make_base_disk,
 )
-from tests.support import REPO_ROOT, qemu_children, vm_test_guest
+from tests.support import REPO_ROOT, kill_qemu_children, vm_test_guest
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -87,10 +87,8 @@ def no_qemu_left(monkeypatch) -> Iterator[None]:
     """The token in the environment; after the test, no QEMU child of this process."""
     monkeypatch.setenv(TOKEN_ENV, TOKEN)
     yield
-    left = qemu_children()
-    for proc in left:  # not left for the next test, whatever this one asserted
-        proc.kill()
-    assert left == [], f"QEMU processes left: {[p.pid for p in left]}"
+    left = kill_qemu_children()  # not left for the next test, whatever this one asserted
+    assert left == [], f"QEMU processes left: {left}"
 
 
 def _cfg(guest: TestGuest, files: Path, state_dir: Path, *, states: Path | None = None,

@@ -47,7 +47,14 @@ from cua_rollout.vm.launcher import READY_PATH, RESET_PATH
 from tests.doubles.kube_api import KubeAPIServer
 from tests.doubles.kubelet import ProcessKubelet
 from tests.doubles.vm_guest import SCREEN_HEIGHT, SCREEN_WIDTH, TestGuest, make_base_disk
-from tests.support import REPO_ROOT, qemu_children, until, vm_test_guest
+from tests.support import (
+    REPO_ROOT,
+    kill_qemu_children,
+    qemu_children,
+    release_and_lease,
+    until,
+    vm_test_guest,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow, pytest.mark.timeout(1800)]
 
@@ -85,9 +92,7 @@ def no_qemu_left(monkeypatch) -> Iterator[None]:
     """The token in the environment; after the test, no QEMU under this process."""
     monkeypatch.setenv(TOKEN_VAR, TOKEN)
     yield
-    left = _qemus()
-    for pid in left:  # not left for the next test, whatever this one asserted
-        psutil.Process(pid).kill()
+    left = kill_qemu_children()  # not left for the next test, whatever this one asserted
     assert left == [], f"QEMU processes left: {left}"
 
 
@@ -395,11 +400,8 @@ async def test_a_vm_pod_of_the_image_conforms_and_its_reset_passes_the_check(ima
             await env.execute(["bash", "-c", "echo x > ~/Desktop/left.txt"])
         finally:
             await env.close()
-        for round_ in range(2):
-            t0 = time.monotonic()
-            await pool.release(lease.lease_id)
-            lease = await pool.lease(f"after-{round_}")
-            resets.append(time.monotonic() - t0)
+        lease, took = await release_and_lease(pool, lease, 2)
+        resets += took
         stats = pool.stats()
         assert (stats["verify_failures"], stats["quarantined"], stats["replaced"]) == (0, 0, 0)
         env = RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
