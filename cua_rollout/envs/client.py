@@ -1,11 +1,12 @@
 """The OSWorld desktop client: ``RemoteDesktopEnv`` speaks the in-desktop HTTP protocol
 (``cua_rollout/desktop/protocol.py``) with a deadline on every request and retries only where
-repeating
-is harmless (reads; an action only when the connection failed before it was sent). It meets
+repeating is harmless (reads; an action only when the connection failed before it was sent).
+It meets
 ``DesktopEnv`` and ``DesktopProbe``; task setup steps are interpreted by ``setup_steps.py``.
 
-One ``httpx2.AsyncClient`` per process and event loop serves every desktop (``shared_client``),
-or one per lease (``lease_client``), which keeps each request's pool work constant.
+Requests go through aiohttp (``cua_rollout.core.http.hot_request``: the action and the
+screenshot are two of a step's three hot requests): one session per process and event loop
+serves every desktop (``shared_client``), or one per lease (``lease_client``).
 """
 
 from __future__ import annotations
@@ -16,13 +17,21 @@ import os
 import time
 from collections.abc import Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
-import httpx2
+import aiohttp
 
 from cua_rollout.config import DesktopsConfig, secret_from_env
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import DesktopError
-from cua_rollout.core.http import error_text, redact_url, ssl_context
+from cua_rollout.core.http import (
+    Reply,
+    TransportFailure,
+    error_text,
+    hot_request,
+    hot_session,
+    redact_url,
+)
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import SPECIAL_ACTIONS, WAIT
 from cua_rollout.desktop.protocol import (
@@ -44,8 +53,6 @@ log = logging.getLogger(__name__)
 
 # Connecting to a desktop is fast or not at all (a desktop is on the same network).
 _CONNECT_TIMEOUT_S = 5.0
-# Default deadline of a client's requests when a call gives none (calls always give one).
-_CLIENT_TIMEOUT_S = 30.0
 # Backoff between retries of one request: full jitter, capped.
 _RETRY_BACKOFF_INITIAL_S = 0.2
 _RETRY_BACKOFF_MAX_S = 2.0
@@ -60,45 +67,32 @@ _COMMAND_KILL_MARGIN_S = 2.0
 
 # --------------------------------------------------------------------------- shared client
 
-_CLIENTS: dict[int, tuple[asyncio.AbstractEventLoop, httpx2.AsyncClient]] = {}
+_CLIENTS: dict[int, tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession]] = {}
 
 
-def shared_client(max_connections: int) -> httpx2.AsyncClient:
-    """The process's client for desktops on the running loop (created on first use)."""
+def shared_client(max_connections: int) -> aiohttp.ClientSession:
+    """The process's session for desktops on the running loop (created on first use)."""
     loop = asyncio.get_running_loop()
     entry = _CLIENTS.get(id(loop))
-    if entry is None or entry[0] is not loop or entry[1].is_closed:
-        client = httpx2.AsyncClient(
-            limits=httpx2.Limits(
-                max_connections=max_connections, max_keepalive_connections=max_connections
-            ),
-            timeout=httpx2.Timeout(_CLIENT_TIMEOUT_S),
-            verify=ssl_context(),
-        )
-        _CLIENTS[id(loop)] = (loop, client)
-        return client
+    if entry is None or entry[0] is not loop or entry[1].closed:
+        session = hot_session(max_connections)
+        _CLIENTS[id(loop)] = (loop, session)
+        return session
     return entry[1]
 
 
-def lease_client(cfg: DesktopsConfig) -> httpx2.AsyncClient:
-    """A client for the one desktop an episode leased; the episode closes it when it gives
+def lease_client(cfg: DesktopsConfig) -> aiohttp.ClientSession:
+    """A session for the one desktop an episode leased; the episode closes it when it gives
     the desktop back. The episode's requests follow one another, so its pool keeps a single
-    connection, and httpx2's work on each request (it probes every idle connection of the
-    pool) stays constant. In the process's shared pool that work grows with every
-    connection kept alive there, up to ``max_connections``."""
-    return httpx2.AsyncClient(
-        limits=httpx2.Limits(max_connections=cfg.max_connections,
-                             max_keepalive_connections=1),  # requests are sequential
-        timeout=httpx2.Timeout(_CLIENT_TIMEOUT_S),
-        verify=ssl_context(),
-    )
+    connection alive."""
+    return hot_session(cfg.max_connections)
 
 
 async def close_shared_client() -> None:
-    """Close this loop's shared client (at actor or test shutdown)."""
+    """Close this loop's shared session (at actor or test shutdown)."""
     entry = _CLIENTS.pop(id(asyncio.get_running_loop()), None)
     if entry is not None:
-        await entry[1].aclose()
+        await entry[1].close()
 
 
 # --------------------------------------------------------------------------- the client
@@ -119,7 +113,7 @@ class RemoteDesktopEnv:
         cfg: DesktopsConfig,
         *,
         name: str | None = None,
-        client: httpx2.AsyncClient | None = None,
+        client: aiohttp.ClientSession | None = None,
         python: str = "python",
     ) -> None:
         self.base_url = base_url.rstrip("/")
@@ -172,7 +166,7 @@ class RemoteDesktopEnv:
             return StepResult(action, duration_s=time.monotonic() - started)
         timeout_s = self.cfg.request_timeout_s
         body = _command(execute_command(action, self._python), False, timeout_s)
-        reply = await self._json("POST", Paths.EXECUTE, json=body, idempotent=False,
+        reply = await self._json("POST", Paths.EXECUTE, json_body=body, idempotent=False,
                                  timeout_s=timeout_s)
         result = StepResult(
             action,
@@ -200,7 +194,7 @@ class RemoteDesktopEnv:
         caller's client is left open. The desktop itself belongs to the pool."""
         if self._owns_client and self._client is not None:
             client, self._client = self._client, None
-            await client.aclose()
+            await client.close()
 
     # ----------------------------------------------------------------- probe and protocol
 
@@ -209,24 +203,25 @@ class RemoteDesktopEnv:
     ) -> dict[str, Any]:
         """``/execute``: ``{status, output, error, returncode}``."""
         timeout_s = timeout_s or self.cfg.request_timeout_s
-        return await self._json("POST", Paths.EXECUTE, json=_command(command, shell, timeout_s),
+        return await self._json("POST", Paths.EXECUTE,
+                                json_body=_command(command, shell, timeout_s),
                                 idempotent=False, timeout_s=timeout_s)
 
     async def run_python(self, code: str) -> dict[str, Any]:
         return await self._json("POST", Paths.RUN_PYTHON,
-                                json=RunPythonRequest(code=code).body(), idempotent=False)
+                                json_body=RunPythonRequest(code=code).body(), idempotent=False)
 
     async def get_file(self, path: str) -> bytes | None:
         """The bytes of a file on the desktop, or None if it does not exist."""
         response = await self._request(
-            "POST", Paths.FILE, data={FILE_PATH_FIELD: path}, idempotent=True,
+            "POST", Paths.FILE, form={FILE_PATH_FIELD: path}, idempotent=True,
             allow_status=(404,),
         )
         return None if response.status_code == 404 else response.content
 
     async def upload(self, path: str, data: bytes) -> None:
         await self._request(
-            "POST", Paths.SETUP_UPLOAD, data={FILE_PATH_FIELD: path},
+            "POST", Paths.SETUP_UPLOAD, form={FILE_PATH_FIELD: path},
             files={FILE_DATA_FIELD: (os.path.basename(path) or "file", data)}, idempotent=True,
             timeout_s=self.cfg.setup_timeout_s,
         )
@@ -267,7 +262,7 @@ class RemoteDesktopEnv:
     async def launch(self, command: list[str] | str, shell: bool = False) -> None:
         """``/setup/launch``: start an app and return at once."""
         await self._request("POST", Paths.SETUP_LAUNCH,
-                            json=CommandRequest(command=command, shell=shell).body(),
+                            json_body=CommandRequest(command=command, shell=shell).body(),
                             idempotent=False, timeout_s=self.cfg.setup_timeout_s)
 
     async def setup_execute(self, command: list[str] | str, shell: bool = False
@@ -275,12 +270,13 @@ class RemoteDesktopEnv:
         """``/setup/execute``: run a command to its end; ``{status, output, error, returncode}``."""
         timeout_s = self.cfg.setup_timeout_s
         return await self._json("POST", Paths.SETUP_EXECUTE,
-                                json=_command(command, shell, timeout_s),
+                                json_body=_command(command, shell, timeout_s),
                                 idempotent=False, timeout_s=timeout_s)
 
     async def open_file(self, path: str) -> None:
         """``/setup/open_file``: open a file (or start a program) and wait for its window."""
-        await self._request("POST", Paths.SETUP_OPEN_FILE, json=OpenFileRequest(path=path).body(),
+        await self._request("POST", Paths.SETUP_OPEN_FILE,
+                            json_body=OpenFileRequest(path=path).body(),
                             idempotent=False, timeout_s=self.cfg.setup_timeout_s)
 
     async def activate_window(self, window_name: str, strict: bool = False,
@@ -294,7 +290,7 @@ class RemoteDesktopEnv:
     async def _window(self, path: str, window_name: str, strict: bool, by_class: bool) -> None:
         await self._request(
             "POST", path,
-            json=WindowRequest(window_name=window_name, strict=strict,
+            json_body=WindowRequest(window_name=window_name, strict=strict,
                                by_class=by_class).body(),
             idempotent=True,
         )
@@ -332,7 +328,7 @@ class RemoteDesktopEnv:
     def devtools_url(self) -> str:
         """The desktop browser's DevTools endpoint on the desktop's host: the port it
         reported (``learn_ports``, done by ``reset``), else ``desktops.chromium_port``."""
-        host = httpx2.URL(self.base_url).host
+        host = urlsplit(self.base_url).hostname or ""
         return f"http://{f'[{host}]' if ':' in host else host}:{self.chromium_port}"
 
     def address(self) -> DesktopAddress:
@@ -344,7 +340,7 @@ class RemoteDesktopEnv:
 
     # ----------------------------------------------------------------- transport
 
-    def _http(self) -> httpx2.AsyncClient:
+    def _http(self) -> aiohttp.ClientSession:
         return self._client or shared_client(self.cfg.max_connections)
 
     async def _json(self, method: str, path: str, **kw: Any) -> dict[str, Any]:
@@ -368,15 +364,14 @@ class RemoteDesktopEnv:
         timeout_s: float | None = None,
         allow_status: tuple[int, ...] = (),
         **kw: Any,
-    ) -> httpx2.Response:
+    ) -> Reply:
         """One request with a deadline; transient failures retried with capped backoff.
 
         Connection failures before sending are always retried; read errors, timeouts and
         5xx only for idempotent requests (an action must not run twice).
         """
         attempts = 1 + (self.cfg.retries if retries is None else retries)
-        timeout = httpx2.Timeout(timeout_s or self.cfg.request_timeout_s,
-                                 connect=_CONNECT_TIMEOUT_S)
+        timeout_s = timeout_s or self.cfg.request_timeout_s
         url = self.base_url + path
         last: str = ""
         for attempt in range(attempts):
@@ -384,19 +379,15 @@ class RemoteDesktopEnv:
                 await asyncio.sleep(
                     backoff_s(attempt, _RETRY_BACKOFF_INITIAL_S, _RETRY_BACKOFF_MAX_S))
             try:
-                response = await self._http().request(
-                    method, url, headers=self._headers, timeout=timeout, **kw
-                )
-            except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout) as exc:
-                last = f"cannot connect ({type(exc).__name__})"
-                continue
-            except httpx2.TimeoutException as exc:
-                last = f"timed out after {timeout.read}s ({type(exc).__name__})"
-                if idempotent:
+                response = await hot_request(
+                    self._http(), method, url, headers=self._headers, timeout_s=timeout_s,
+                    connect_timeout_s=_CONNECT_TIMEOUT_S, **kw)
+            except TransportFailure as exc:
+                if exc.kind == "connect":
+                    last = f"cannot connect ({exc.cause_name})"
                     continue
-                raise DesktopError(f"{self.name}{path}: {last}") from exc
-            except httpx2.TransportError as exc:
-                last = f"{type(exc).__name__}: {exc}"
+                last = (f"timed out after {timeout_s}s ({exc.cause_name})"
+                        if exc.kind == "timeout" else str(exc))
                 if idempotent:
                     continue
                 raise DesktopError(f"{self.name}{path}: {last}") from exc

@@ -14,12 +14,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx2
+import aiohttp
 
 from cua_rollout.config import ModelConfig, SamplingConfig, secret_from_env
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import ContextTooShort, ModelRequestError, ModelUnavailable
-from cua_rollout.core.http import error_text, ssl_context
+from cua_rollout.core.http import Reply, TransportFailure, error_text, hot_request, hot_session
 from cua_rollout.model.discovery import EndpointDiscovery
 from cua_rollout.model.openai_protocol import (
     CHAT_COMPLETIONS_PATH,
@@ -107,7 +107,7 @@ class ModelServicePool:
         self._rng = rng or random.Random()
         self._clock = clock
         self._api_key = secret_from_env(cfg.api_key_env, "model.api_key_env")
-        self._clients: dict[str, httpx2.AsyncClient] = {}  # endpoint URL -> its client
+        self._clients: dict[str, aiohttp.ClientSession] = {}  # endpoint URL -> its session
         self._closing: set[asyncio.Task[None]] = set()
         self.discovery = EndpointDiscovery(cfg, state_dir, api_key=self._api_key, clock=clock,
                                            on_removed=self._drop_client)
@@ -255,46 +255,42 @@ class ModelServicePool:
             self._outage_watch = None
         await self.discovery.close()
         clients, self._clients = list(self._clients.values()), {}
-        await asyncio.gather(*(c.aclose() for c in clients), *self._closing,
+        await asyncio.gather(*(c.close() for c in clients), *self._closing,
                              return_exceptions=True)
 
     # ----------------------------------------------------------------- internals
 
-    def _http(self, endpoint: Endpoint) -> httpx2.AsyncClient:
-        """The endpoint's own client. Its pool holds that endpoint's connections only, so
-        ``max_connections_per_endpoint`` limits each endpoint, and the work httpx2's pool
-        does on every request (it probes each of its idle connections) stays proportional
-        to one endpoint's share of the episodes, not to all of this process's connections."""
+    def _http(self, endpoint: Endpoint) -> aiohttp.ClientSession:
+        """The endpoint's own session (``hot_session``: a chat completion is one of a step's
+        three hot requests). Its pool holds that endpoint's connections only, so
+        ``max_connections_per_endpoint`` limits each endpoint."""
         client = self._clients.get(endpoint.url)
-        if client is None or client.is_closed:
-            n = self.cfg.max_connections_per_endpoint
+        if client is None or client.closed:
             headers = {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
-            client = httpx2.AsyncClient(
-                timeout=httpx2.Timeout(
-                    self.cfg.request_timeout_s, connect=self.cfg.connect_timeout_s
-                ),
-                limits=httpx2.Limits(max_connections=n, max_keepalive_connections=n),
-                headers=headers,
-                verify=ssl_context(),
-            )
+            client = hot_session(self.cfg.max_connections_per_endpoint, headers=headers)
             self._clients[endpoint.url] = client
         return client
+
+    async def _get(self, endpoint: Endpoint, path: str) -> Reply | None:
+        """``GET path`` of the endpoint with the connect timeout; None if it did not answer."""
+        try:
+            return await hot_request(self._http(endpoint), "GET", endpoint.url + path,
+                                     timeout_s=self.cfg.connect_timeout_s,
+                                     connect_timeout_s=self.cfg.connect_timeout_s)
+        except TransportFailure:
+            return None
 
     def _drop_client(self, url: str) -> None:
         """Close the client of an endpoint the list no longer has (in the background)."""
         client = self._clients.pop(url, None)
         if client is not None:
-            task = asyncio.get_running_loop().create_task(client.aclose())
+            task = asyncio.get_running_loop().create_task(client.close())
             self._closing.add(task)
             task.add_done_callback(self._closing.discard)
 
     async def _healthy(self, endpoint: Endpoint) -> bool:
-        try:
-            r = await self._http(endpoint).get(endpoint.url + HEALTH_PATH,
-                                               timeout=self.cfg.connect_timeout_s)
-        except httpx2.HTTPError:
-            return False
-        return r.status_code == 200
+        r = await self._get(endpoint, HEALTH_PATH)
+        return r is not None and r.status_code == 200
 
     async def _watch_outage(self) -> None:
         """Probe until an endpoint is live, then wake every waiter."""
@@ -315,10 +311,8 @@ class ModelServicePool:
         (vLLM's ``root``), else none."""
         if endpoint.context_asked:
             return
-        try:
-            r = await self._http(endpoint).get(endpoint.url + MODELS_PATH,
-                                               timeout=self.cfg.connect_timeout_s)
-        except httpx2.HTTPError:
+        r = await self._get(endpoint, MODELS_PATH)
+        if r is None:
             return  # unreachable now: the request itself finds out, and is retried
         endpoint.context_asked = True
         card = served_card(r.content, self.cfg.name) if r.status_code == 200 else None
@@ -341,21 +335,19 @@ class ModelServicePool:
         started = self._clock()
         try:
             try:
-                response = await self._http(endpoint).post(
-                    endpoint.url + CHAT_COMPLETIONS_PATH,
-                    content=content,
-                    headers={"Content-Type": "application/json",
-                             "Content-Length": str(content.length)},
-                )
-            except (httpx2.ConnectError, httpx2.ConnectTimeout, httpx2.PoolTimeout,
-                    httpx2.RemoteProtocolError) as exc:
-                # Not there, or gone mid-request (a replica stopped or killed).
-                raise self._failed(endpoint, f"{type(exc).__name__}: {exc}",
-                                   capacity=True) from exc
-            except httpx2.TimeoutException as exc:
-                raise self._failed(endpoint, f"timed out ({type(exc).__name__})") from exc
-            except httpx2.TransportError as exc:
-                raise self._failed(endpoint, f"{type(exc).__name__}: {exc}") from exc
+                response = await hot_request(
+                    self._http(endpoint), "POST", endpoint.url + CHAT_COMPLETIONS_PATH,
+                    body=content, content_length=content.length,
+                    headers={"Content-Type": "application/json"},
+                    timeout_s=self.cfg.request_timeout_s,
+                    connect_timeout_s=self.cfg.connect_timeout_s)
+            except TransportFailure as exc:
+                if exc.kind in ("connect", "disconnected"):
+                    # Not there, or gone mid-request (a replica stopped or killed).
+                    raise self._failed(endpoint, str(exc), capacity=True) from exc
+                if exc.kind == "timeout":
+                    raise self._failed(endpoint, f"timed out ({exc.cause_name})") from exc
+                raise self._failed(endpoint, str(exc)) from exc
             if response.status_code >= 500 or response.status_code == 429:
                 raise self._failed(
                     endpoint, f"HTTP {response.status_code}: {error_text(response)}",

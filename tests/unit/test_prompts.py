@@ -7,6 +7,7 @@ import io
 import struct
 import zlib
 
+import pybase64
 import pytest
 from PIL import Image
 
@@ -99,13 +100,13 @@ def test_replies_go_back_with_box_tokens():
 
 def test_each_screenshot_encoded_once_and_shared(monkeypatch):
     calls = []
-    real = base64.b64encode
+    real = pybase64.b64encode
 
     def counting(data):
         calls.append(len(data))
         return real(data)
 
-    monkeypatch.setattr(base64, "b64encode", counting)
+    monkeypatch.setattr(pybase64, "b64encode", counting)
     history: list[Turn] = []
     current = shot(0)
     previous_urls: dict[int, str] = {}

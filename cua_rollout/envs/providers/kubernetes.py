@@ -53,14 +53,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import httpx2
 import yaml
 from urllib3.exceptions import HTTPError
 
 from cua_rollout.config import DesktopsConfig, secret_from_env
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import ConfigError, DesktopError
-from cua_rollout.core.http import error_text
+from cua_rollout.core.http import TransportFailure, error_text, hot_request
 from cua_rollout.envs.client import shared_client
 from cua_rollout.envs.providers.base import (
     LABEL_DESKTOP,
@@ -547,12 +546,12 @@ class KubernetesProvider(DesktopProvider):
         token = secret_from_env(self.cfg.token_env, "desktops.token_env")
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         try:
-            reply = await shared_client(self.cfg.max_connections).post(
-                desktop.url + RESET_PATH, headers=headers,
-                timeout=httpx2.Timeout(self.cfg.reset_timeout_s))
-        except httpx2.HTTPError as exc:
-            raise DesktopError(f"{desktop.id}: POST {RESET_PATH} failed: "
-                               f"{type(exc).__name__}: {exc}") from exc
+            reply = await hot_request(
+                shared_client(self.cfg.max_connections), "POST", desktop.url + RESET_PATH,
+                headers=headers, timeout_s=self.cfg.reset_timeout_s,
+                connect_timeout_s=self.cfg.reset_timeout_s)
+        except TransportFailure as exc:
+            raise DesktopError(f"{desktop.id}: POST {RESET_PATH} failed: {exc}") from exc
         if reply.status_code != 200:
             raise DesktopError(f"{desktop.id}: POST {RESET_PATH} answered HTTP "
                                f"{reply.status_code}: {error_text(reply, 500)}")
