@@ -11,9 +11,10 @@ sends it (user + system CPU of this process, ``time.process_time``), for:
   httpx2    what the runners use (``httpx2.AsyncClient``, one pool per endpoint as
             ``ModelServicePool`` and ``lease_client`` build them; the body sent as pieces,
             as ``RequestBody`` does);
-  aiohttp   ``aiohttp.ClientSession`` (installed with Ray), the same requests, the body as
-            one ``bytes`` (aiohttp streams an async iterator in chunked encoding, which a
-            vLLM server accepts but which costs more);
+  aiohttp   ``aiohttp.ClientSession``, the same requests, the body streamed from the same
+            pieces with its Content-Length (the server refuses a chunked body here: that is
+            what aiohttp sends for an async iterator without one), as
+            ``cua_rollout.core.http.hot_request`` sends it;
   raw       a minimal HTTP/1.1 client on asyncio streams written here (keep-alive, one
             connection per in-flight request, Content-Length only): the floor of what any
             client can cost in Python, not a candidate.
@@ -96,8 +97,8 @@ def _images() -> list[str]:
 
 
 def _chat_body(images: list[str]) -> Any:
-    from cua_rollout.model.openai_protocol import RequestBody
     from cua_rollout.core.screenshot import DataURL
+    from cua_rollout.model.openai_protocol import RequestBody
 
     content: list[dict[str, Any]] = []
     for url in images:
@@ -248,7 +249,7 @@ async def _measure(name: str, base: str, requests: int, concurrency: int) -> dic
                     assert len(got) == SCREENSHOT_BYTES, len(got)
 
         await asyncio.gather(*(worker(i) for i in range(concurrency)))  # warm connections
-        cpu0, wall0 = time.process_time(), time.perf_counter()
+        cpu0 = time.process_time()
         await asyncio.gather(*(worker(i) for i in range(concurrency)))
         return (time.process_time() - cpu0) / n * 1000
 

@@ -211,6 +211,7 @@ class RolloutSetup:
     ape_start_budget_s: float = 60.0  # ... and their actors start within this many seconds
     drain_grace_s: float = 10.0       # episodes running after the window may end normally
     step_files: str = "auto"          # storage.step_files: who writes the step files
+    images: str = "inline"            # model.images: screenshots in the body, or by path
     seed: int = 0
 
     def unloaded_step_s(self) -> float:
@@ -468,7 +469,8 @@ def _config(row: _Row, tasks: Path, desktop_urls: list[str], reset_command: list
         row.run_dir, tasks, desktop_urls, reset_command, model_urls, model_name,
         concurrency=row.concurrency, spares=row.spares, per_runner=per_runner,
         schedule=schedule, max_steps=s.lengths.max_steps, history_images=s.history_images,
-        action_pause_s=0.0), f"storage.step_files={s.step_files}"])
+        action_pause_s=0.0), f"storage.step_files={s.step_files}",
+        f"model.images={s.images}"])
 
 
 def sim_sets(run_dir: Path, tasks: Path, desktop_urls: list[str], reset_command: list[str],
@@ -1523,6 +1525,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-files", choices=("auto", "runner", "storage"), default="auto",
                         help="rollout rows' storage.step_files (storage: every step through "
                         "the storage actor, as before issue 33)")
+    parser.add_argument("--images", choices=("inline", "file"), default="inline",
+                        help="rollout rows' model.images (file: the sim model reads each "
+                        "screenshot from the run directory, as vLLM with "
+                        "--allowed-local-media-path)")
     peer = parser.add_mutually_exclusive_group()
     peer.add_argument("--peer", action="store_true",
                       help="only the peer-settings rows (run.py on the sim world, issue 17)")
@@ -1543,7 +1549,7 @@ def main(argv: list[str] | None = None) -> int:
         setup, levels=tuple(args.levels or setup.levels),
         window_s=args.window_s or setup.window_s, warmup_s=args.warmup_s or setup.warmup_s,
         episodes_per_runner=args.episodes_per_runner or setup.episodes_per_runner,
-        step_files=args.step_files)
+        step_files=args.step_files, images=args.images)
     peer_setup = dataclasses.replace(
         PEER, levels=tuple(args.peer_levels or PEER.levels), window_s=args.peer_window_s,
         running_ray=args.peer_running_ray,

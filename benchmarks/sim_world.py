@@ -40,6 +40,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
 import urllib.request
 from collections import Counter, OrderedDict
 from collections.abc import Callable, Iterator
@@ -204,11 +205,14 @@ class RequestSummary(NamedTuple):
     logprobs: bool
     return_token_ids: bool
     full_parse: bool         # the cheap path failed and the body was json-parsed
+    image_files: tuple[str, ...] = ()  # paths of the images sent as file:// URLs
 
 
 _ASSISTANT_MARKS = (b'"role": "assistant"', b'"role":"assistant"')
 _INSTRUCTION_MARK = b"## User Instruction\\n"  # prompts.build_prompt's header, JSON-escaped
 _IMAGE_MARK = b"data:image/"
+_FILE_IMAGE_MARK = b'"file://'  # an image sent by path (model.images: file)
+_PNG_END = b"IEND\xaeB`\x82"    # a PNG's last chunk (IEND and its CRC)
 _STEP_MARK = b"[sim step "
 _LOGPROBS_MARKS = (b'"logprobs": true', b'"logprobs":true')
 _TOKEN_IDS_MARKS = (b'"return_token_ids": true', b'"return_token_ids":true')
@@ -239,15 +243,23 @@ def summarize_request(body: bytes | bytearray) -> RequestSummary:
     (``full_parse``) and its first user text taken as the instruction.
     """
     images = 0
+    files: list[str] = []
     outside: list[bytes | bytearray] = []
     pos = 0
     while True:
         i = body.find(_IMAGE_MARK, pos)
-        if i < 0:
+        f = body.find(_FILE_IMAGE_MARK, pos)
+        if i < 0 and f < 0:
             break
-        end = body.find(b'"', i)
-        if end < 0:
-            raise ValueError("unterminated image data URL")
+        if f >= 0 and (i < 0 or f < i):  # a file:// URL: its JSON string, unescaped
+            i = f + 1
+            end = _string_end(body, i)
+            files.append(urllib.parse.unquote(
+                json.loads(b'"' + body[i:end] + b'"').removeprefix("file://")))
+        else:
+            end = body.find(b'"', i)
+            if end < 0:
+                raise ValueError("unterminated image data URL")
         outside.append(body[pos:i])
         images += 1
         pos = end
@@ -272,6 +284,7 @@ def summarize_request(body: bytes | bytearray) -> RequestSummary:
         instruction = json.loads(b'"' + text[start:_string_end(text, start)] + b'"')
     return RequestSummary(
         instruction.strip(), assistant, last_step, images, len(text), logprobs, token_ids, full,
+        tuple(files),
     )
 
 
@@ -735,6 +748,14 @@ class ModelApp(OpenAIServer, _App):
             req = summarize_request(call.body)
         except (ValueError, AttributeError, TypeError) as exc:
             raise ValueError(f"bad request: {exc}") from exc
+        for path in req.image_files:  # read as a server does (vLLM's file:// media)
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise ValueError(f"cannot read the image {path}: {exc}") from exc
+            if not (data.startswith(b"\x89PNG\r\n\x1a\n") and data.endswith(_PNG_END)):
+                raise ValueError(f"the image {path} is not a whole PNG")
         # A long episode's oldest replies drop out of the request (history_texts): the step
         # number the last reply carried keeps counting past that.
         step = req.assistant_turns

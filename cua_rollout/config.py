@@ -329,6 +329,17 @@ class ModelConfig(_Section):
     """Leave the sticky endpoint when it has this many more requests than the least loaded."""
     max_connections_per_endpoint: PositiveInt = 256
     """HTTP connection limit per endpoint in each process."""
+    images: Literal["inline", "file"] = "inline"
+    """How a request carries its screenshots. ``inline``: base64 data URLs in the body (any
+    OpenAI-compatible server; five 1920x1080 screenshots make a ~2.3 MB body every step).
+    ``file``: ``file://`` URLs of the screenshots the runner wrote into the run directory,
+    read by the server itself: a request of a few KB, no base64 on either side, and a
+    runner holds no encoded images. The model servers must see the run directory at the
+    same path (one host, or a shared filesystem) and be allowed to read it: vLLM's
+    ``--allowed-local-media-path <run.output_dir>`` (``model_pool.extra_args``). Needs
+    ``runner.save_screenshots`` and runners that write their step files
+    (``storage.step_files`` ``auto`` or ``runner``); a runner that cannot sends them
+    inline, with a warning."""
     endpoint_failures_to_eject: PositiveInt = 3
     """Consecutive failures after which an endpoint is taken out of routing."""
     reprobe_interval_s: PositiveFloat = 10.0
@@ -1243,6 +1254,11 @@ class Config(_Section):
                                  f"it excludes {sources[0]}")
             if not self.model_pool.checkpoint:
                 raise ValueError("model_pool.start_with_run needs model_pool.checkpoint")
+        if self.model.images == "file" and (not self.runner.save_screenshots
+                                            or self.storage.step_files == "storage"):
+            raise ValueError(
+                "model.images: file sends the paths of the screenshots the runners write: it "
+                "needs runner.save_screenshots: true and storage.step_files auto or runner")
         if self.desktops.provider == "static" and not self.desktops.static.urls:
             raise ValueError("desktops.provider is 'static' but desktops.static.urls is empty")
         # A lease is reclaimed after lease_max_s; it must outlive everything an episode does

@@ -36,6 +36,9 @@ class Screenshot:
     ``forget_png`` lets the PNG go once it is stored (``png`` is then None)."""
 
     png: bytes | None
+    file_url: str | None = None
+    """``file://`` URL of the PNG as stored, when requests send it by path
+    (``model.images: file``)."""
 
     @cached_property
     def size(self) -> tuple[int, int]:
@@ -53,10 +56,19 @@ class Screenshot:
             raise ValueError("the PNG was forgotten before its data URL was made")
         return DataURL(b"data:image/png;base64," + pybase64.b64encode(self.png), "ascii")
 
+    @property
+    def url(self) -> str:
+        """What a request sends for this image: its ``file_url`` when it has one, else its
+        data URL. The same string object every time (the trajectory recognises a
+        request's images by it)."""
+        return self.file_url if self.file_url is not None else self.data_url
+
     def forget_png(self) -> None:
-        """Keep only what requests need (size, data URL: made now if not yet) and let the
-        PNG bytes go, once they are stored: a screenshot in the image window then costs its
-        base64 alone (~470 KB for 1920x1080) instead of PNG and base64 (~820 KB)."""
+        """Keep only what requests need (size; the data URL, made now if not yet, unless the
+        image is sent by ``file_url``) and let the PNG bytes go, once they are stored: a
+        screenshot in the image window then costs its base64 alone (~470 KB for 1920x1080)
+        instead of PNG and base64 (~820 KB), or nothing but its path."""
         self.size  # noqa: B018 — cached now, while the PNG is still here
-        self.data_url  # noqa: B018
+        if self.file_url is None:
+            self.data_url  # noqa: B018
         self.png = None

@@ -74,11 +74,8 @@ class DesktopEpisode(Episode):
     async def _begin(self, env: DesktopEnv) -> Screenshot:
         """The task's setup; its screenshot is step 0's."""
         shot = await env.reset(self.task)
-        if self.cfg.runner.save_screenshots:
-            name = screenshot_name(0)
-            await self.writer.step(None, name, shot.png)
-            self.files.remember(shot, name)
-        shot.forget_png()  # stored: requests need its base64 only
+        await self.store_screenshot(
+            shot, screenshot_name(0) if self.cfg.runner.save_screenshots else None)
         return shot
 
     async def _carry_out(self, env: DesktopEnv, decision: Decision, parsed: Any,

@@ -60,6 +60,9 @@ __all__ = ["ACTOR_CALL_TIMEOUT_S", "EnvFactory", "Episode", "EpisodeEnded", "Epi
 
 log = logging.getLogger(__name__)
 
+# Whether this process said that it sends screenshots inline although model.images is file.
+_WARNED_INLINE: list[bool] = []
+
 # Deadline of a call to another actor that should answer at once (a release, a storage
 # write's enqueue): a hung pool or storage must not hold an episode's slot forever.
 ACTOR_CALL_TIMEOUT_S = 60.0
@@ -363,10 +366,28 @@ class Episode(abc.ABC):
             return
         name = screenshot_name(step) if self.cfg.runner.save_screenshots else None
         record.screenshot_file = name
-        await self.writer.step(previous.line() if previous is not None else None, name,
-                               observation.png)
-        self.files.remember(observation, name)
-        observation.forget_png()  # stored: requests need its base64 only
+        await self.store_screenshot(observation, name,
+                                    previous.line() if previous is not None else None)
+
+    async def store_screenshot(self, shot: Screenshot, name: str | None,
+                               line: dict[str, Any] | None = None) -> None:
+        """Write the screenshot ``shot`` as ``name`` (and a traj.jsonl ``line`` before it);
+        requests then send it by its file's path (``model.images: file``, where this process
+        writes the file) or by its data URL, and its PNG bytes are let go."""
+        if name is not None or line is not None:
+            await self.writer.step(line, name, shot.png if name else None)
+        if name is not None:
+            path = (self.writer.local_file(name)
+                    if self.cfg.model.images == "file" else None)
+            if path is not None:
+                shot.file_url = path.as_uri()
+            elif self.cfg.model.images == "file" and not _WARNED_INLINE:
+                _WARNED_INLINE.append(True)  # once per process
+                log.warning("model.images is file, but the storage actor writes this "
+                            "runner's step files (the run directory is not shared here): "
+                            "its requests send screenshots inline")
+            self.files.remember(shot, name)
+        shot.forget_png()  # stored: requests need its path or its base64 only
 
     async def _pause(self, pause_s: float, split: dict[str, float]) -> None:
         if pause_s > 0:
@@ -432,6 +453,9 @@ class Episode(abc.ABC):
         (``_wait_out_model_outage``); the reply and the seconds spent asking, the wait
         included."""
         started = time.monotonic()
+        # A screenshot sent by its path is read by the server: its write must be done.
+        if self.cfg.model.images == "file":
+            await self.writer.flush()
         while True:
             try:
                 generation = await self.r.model.generate(

@@ -865,6 +865,12 @@ class EpisodeWriter:
             self.episode_id, self.attempt, record, png_name,
             *(png_parts(png) if png is not None and png_name else ())))
 
+    def local_file(self, name: str) -> Path | None:
+        """Where the file ``name`` of this attempt is written by this process (its staging
+        directory, at the same path on every node of a shared run directory); None when
+        the storage actor writes it."""
+        return self._path / name if self._path is not None else None
+
     async def finish(self, record: dict[str, Any],
                      messages: list[dict[str, Any]] | None) -> str | None:
         """episode.json, result.txt and messages.json of the attempt, written and moved into

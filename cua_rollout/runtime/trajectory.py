@@ -152,24 +152,26 @@ def image_spans(prompt_token_ids: list[int] | None, counts: list[int]
 
 class ScreenshotFiles:
     """The file each screenshot still in an episode's image window was saved under, keyed by
-    its data URL object (the one every request embeds), so the last request can be stored
-    with file names instead of megabytes of base64."""
+    its URL object (``Screenshot.url``: the one every request sends, a data URL or a
+    ``file://`` URL), so the last request can be stored with file names instead of
+    megabytes of base64."""
 
     def __init__(self) -> None:
-        self._files: dict[int, str] = {}  # id(data URL string) -> screenshot file
+        self._files: dict[int, str] = {}  # id(URL string) -> screenshot file
 
     def remember(self, shot: Screenshot, name: str | None) -> None:
         if name:
-            self._files[id(shot.data_url)] = name
+            self._files[id(shot.url)] = name
 
     def file_of(self, shot: Screenshot) -> str | None:
-        return self._files.get(id(shot.data_url))
+        return self._files.get(id(shot.url))
 
     def forget(self, shot: Screenshot) -> None:
-        """The screenshot left the image window: its data URL's id may be reused once the
-        string is freed. Only a screenshot whose data URL was made is looked up."""
-        if "data_url" in shot.__dict__:
-            self._files.pop(id(shot.data_url), None)
+        """The screenshot left the image window: its URL's id may be reused once the string
+        is freed. Only a screenshot whose URL was made is looked up."""
+        url = shot.file_url if shot.file_url is not None else shot.__dict__.get("data_url")
+        if url is not None:
+            self._files.pop(id(url), None)
 
     def image_files(self, messages: list[dict[str, Any]]) -> list[str | None]:
         """The file of each image of ``messages``, in prompt order (None: not saved)."""

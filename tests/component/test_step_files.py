@@ -11,6 +11,7 @@ import json
 import logging
 from pathlib import Path
 from typing import Any
+from urllib.request import url2pathname
 
 import pytest
 
@@ -287,3 +288,73 @@ async def test_a_full_disk_on_the_runner_side_is_an_error_that_is_never_recorded
             server.stop()
             for made in filler:
                 made.unlink()
+
+
+async def test_screenshots_sent_by_path_are_on_disk_when_the_model_reads_them(tmp_path: Path):
+    """``model.images: file``: every request names its screenshots by ``file://`` URLs of
+    the files this runner wrote (read by the server when it gets the request: each is
+    there, whole), no base64 is sent, and what is stored names the files."""
+    seen: list[list[str]] = []
+
+    def reply(body: dict[str, Any]) -> str:
+        urls = [part["image_url"]["url"] for m in body["messages"]
+                if isinstance(m["content"], list)
+                for part in m["content"] if part.get("type") == "image_url"]
+        for url in urls:
+            assert url.startswith("file:///"), url[:40]
+            data = Path(url2pathname(url.removeprefix("file://"))).read_bytes()
+            assert data.startswith(b"\x89PNG") and data.endswith(b"IEND\xaeB`\x82")
+        seen.append(urls)
+        return ("Action: click(start_box='(10,10)')" if len(seen) < 3
+                else "Action: finished(content='')")
+
+    server = FakeOpenAIServer(reply=reply).start()
+    cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
+        f"run.output_dir={tmp_path / 'results'}", "model.scripted=false",
+        f"model.endpoints={json.dumps([server.url])}", "model.images=file",
+        "desktops.count=1", "desktops.warm_spares=0", "runner.action_pause_s=0",
+        "coordinator.max_concurrent_episodes=1", "coordinator.episodes_per_runner=1",
+        "monitoring.ray_metrics=false", "storage.index=false", "storage.save_messages=true",
+        f"desktops.download_cache_dir={tmp_path}"])
+    provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))
+    pool = DesktopPool(cfg.desktops, provider)
+    await pool.start()
+    storage = StorageActor(cfg.run_dir, cfg.storage)
+    await storage.start_run({"run": "file-images"})
+    coordinator = AgentCoordinator(cfg, pool, storage, use_ray=False)
+    coordinator.runner_factory = lambda *args: TrajectoryRunner(
+        *args, env_factory=provider.env_factory)
+    try:
+        await coordinator.submit([EpisodeSpec("t0", "d", 0, {
+            "id": "t0", "instruction": "x", "config": [],
+            "evaluator": {"func": "infeasible"}})])
+        for _ in range(600):
+            stats = (await coordinator.poll())["stats"]
+            if stats["episodes_done"] and not stats["episodes_in_flight"]:
+                break
+            await asyncio.sleep(0.05)
+        await storage.flush()
+    finally:
+        await coordinator.drain(cancel=True, timeout_s=10)
+        await coordinator.shutdown()
+        await pool.stop()
+        await storage.close()
+        server.stop()
+    assert [len(urls) for urls in seen] == [1, 2, 3]
+    assert all(url.endswith(f"/step_{i}.png") for urls in seen for i, url in enumerate(urls))
+    (line,) = [json.loads(x) for x in (cfg.run_dir / RESULTS_FILE).read_text().splitlines()]
+    directory = cfg.run_dir / line["result_dir"] if "result_dir" in line else None
+    episode = next(p for p in cfg.run_dir.rglob("traj.jsonl")).parent
+    assert directory is None or directory == episode
+    assert sorted(p.name for p in episode.glob("step_*.png")) == [
+        "step_0.png", "step_1.png", "step_2.png"]
+    stored = json.loads((episode / "messages.json").read_text())
+    stored_urls = [part["image_url"]["url"] for m in stored if isinstance(m["content"], list)
+                   for part in m["content"] if part.get("type") == "image_url"]
+    assert stored_urls == ["step_0.png", "step_1.png", "step_2.png"]
+
+
+def test_images_by_path_need_the_runners_to_write_the_screenshots():
+    for bad in ("storage.step_files=storage", "runner.save_screenshots=false"):
+        with pytest.raises(ConfigError, match=r"model\.images: file"):
+            load_config(REPO_ROOT / "configs" / "demo.yaml", ["model.images=file", bad])

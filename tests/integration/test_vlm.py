@@ -36,7 +36,7 @@ from fastapi import FastAPI, Request, Response
 from cua_rollout.agents.uitars import action_regex, parse_response
 from cua_rollout.cli.tiny_models import build_tiny_vlm
 from cua_rollout.config import Config, load_config
-from cua_rollout.core.errors import ActionParseError, ContextTooShort
+from cua_rollout.core.errors import ActionParseError, ContextTooShort, ModelRequestError
 from cua_rollout.core.http import ThreadedServer
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import SCORED_STATUSES, Status
@@ -85,7 +85,7 @@ def _png(width: int, height: int, seed: int) -> bytes:
 
 def _messages(shots: list[Screenshot], text: str = "Click the button.") -> list[dict[str, Any]]:
     content: list[dict[str, Any]] = [{"type": "text", "text": text}]
-    content += [{"type": "image_url", "image_url": {"url": s.data_url}} for s in shots]
+    content += [{"type": "image_url", "image_url": {"url": s.url}} for s in shots]
     return [{"role": "user", "content": content}]
 
 
@@ -176,9 +176,12 @@ def pool() -> Iterator[tuple[Config, str]]:
     tmp = Path(tempfile.mkdtemp(prefix="cua-vlm-"))
     try:
         model_dir = build_tiny_vlm(tmp / "tiny-vlm")
-        cfg = _config(tmp, f"model_pool.checkpoint={model_dir}", "model_pool.base_port=8170")
         run_dir = tmp / "run"
         run_dir.mkdir()
+        # Screenshots under the run directory may be sent by path (model.images: file).
+        cfg = _config(tmp, f"model_pool.checkpoint={model_dir}", "model_pool.base_port=8170",
+                      "model_pool.extra_args=" + json.dumps(
+                          ["--dtype", "float32", "--allowed-local-media-path", str(run_dir)]))
         with PoolChild(cfg, run_dir, report=lambda line: None) as child:
             started = child.wait_ready()
             state = json.loads((Path(cfg.model_pool.state_dir) / "endpoints.json").read_text())
@@ -230,6 +233,42 @@ def test_prompt_tokens_grow_with_each_image_up_to_the_history_window(pool):
         latency[k] = time.monotonic() - t0
     print(f"\nprompt tokens 1..5 images: {tokens}; latency (50 tokens out) 1 image "
           f"{latency[1]:.2f} s, 5 images {latency[5]:.2f} s")
+
+
+def test_screenshots_sent_by_path_are_read_by_the_server(pool):
+    """``model.images: file``: vLLM reads each ``file://`` screenshot under its
+    ``--allowed-local-media-path`` (the run directory): the same prompt as the same images
+    sent inline, token for token. One outside it is refused with the server's reason."""
+    cfg, url = pool
+    run_dir = Path(cfg.model_pool.extra_args[-1])
+    episode = run_dir / ".attempts" / "d%2Ft%2F0.0.abc"  # as staging names are
+    episode.mkdir(parents=True)
+    inline = [Screenshot(_png(1280, 720, seed=70 + i)) for i in range(3)]
+    by_path = []
+    for i, shot in enumerate(inline):
+        path = episode / f"step_{i}.png"
+        path.write_bytes(shot.png or b"")
+        by_path.append(Screenshot(shot.png, file_url=path.as_uri()))
+        by_path[-1].forget_png()
+        assert "data_url" not in by_path[-1].__dict__   # never encoded
+    a = _chat(url, cfg, inline, return_token_ids=True, max_tokens=1)
+    b = _chat(url, cfg, by_path, return_token_ids=True, max_tokens=1)
+    assert a["usage"]["prompt_tokens"] == b["usage"]["prompt_tokens"] > 3 * image_tokens(
+        1280, 720)
+    assert a["prompt_token_ids"] == b["prompt_token_ids"]
+
+    async def outside() -> None:
+        elsewhere = run_dir.parent / "elsewhere.png"
+        elsewhere.write_bytes(inline[0].png or b"")
+        shot = Screenshot(None, file_url=elsewhere.as_uri())
+        client = ModelServicePool(cfg.model, cfg.model_pool.state_dir)
+        try:
+            with pytest.raises(ModelRequestError, match="allowed-local-media-path"):
+                await client.generate(_messages([shot]), "s-outside")
+        finally:
+            await client.close()
+
+    asyncio.run(outside())
 
 
 def _generate_many(cfg: Config, shots: list[Screenshot], n: int, regex: str | None

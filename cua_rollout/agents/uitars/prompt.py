@@ -147,4 +147,4 @@ def window_screenshots(history: list[Turn], current: Screenshot, *, history_imag
 
 
 def _image_part(shot: Screenshot) -> dict[str, Any]:
-    return {"type": "image_url", "image_url": {"url": shot.data_url}}
+    return {"type": "image_url", "image_url": {"url": shot.url}}
