@@ -837,7 +837,7 @@ def _figures(row: _Row) -> dict[str, Any]:
         "cpu_ms_per_step_by_process": {
             kind: round(1000 * c / cpu_steps, 2)
             for kind, c in sorted(row.cpu_by_kind.items(), key=lambda kv: -kv[1])
-            if cpu_steps and c > 0.0005 * cpu_steps},
+            if cpu_steps and c > 0.00005 * cpu_steps},
         "runner_processes": len(row.runner_rss),
         "runner_rss_mb_mean": round(statistics.fmean(row.runner_rss) / 2**20, 1)
         if row.runner_rss else None,
