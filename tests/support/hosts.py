@@ -33,6 +33,7 @@ __all__ = ["PYTHON", "RAY", "CommandFailed", "HostCPU", "Hosts", "Processes", "r
 
 PYTHON = Path(sys.executable)
 RAY = PYTHON.parent / "ray"
+_NODE_TRIES = 3  # starts of one Ray node before the test gives up
 
 
 class CommandFailed(subprocess.CalledProcessError):
@@ -213,11 +214,16 @@ def wait_for(what: str, check: Callable[[], Any], timeout_s: float, procs: Proce
 
 def ray_env(**extra: str) -> dict[str, str]:
     """The environment of every node and driver of a test's Ray cluster: this checkout first
-    on the path, one fresh cluster token whatever ~/.ray holds, no usage reports."""
+    on the path, one fresh cluster token whatever ~/.ray holds, no usage reports, every
+    worker in its node's process group."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_ADDRESS")}
     env.pop("RAY_AUTH_TOKEN_PATH", None)
     env.update({"PYTHONPATH": str(REPO_ROOT), "RAY_USAGE_STATS_ENABLED": "0",
-                "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16), **extra})
+                "RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+                # Workers stay in their node's process group (Ray gives each its own by
+                # default): ending the group ends the whole node at once, as a machine that
+                # dies, and nothing of it outlives the test.
+                "RAY_process_group_cleanup_enabled": "0", **extra})
     return env
 
 
@@ -226,29 +232,40 @@ def start_ray(procs: Processes, hosts: Hosts, env: dict[str, str], *, head: str,
               timeout_s: float = 120.0, args: Iterable[str] = ()) -> list[dict[str, Any]]:
     """A Ray head on ``head`` and a worker node on every other host of ``cpus`` (host -> its
     CPUs, the head's included), processes ``ray-<host>``; the live nodes. One node at a time,
-    each waited for: a raylet that does not register within Ray's fixed 30 s (2 busy cores)
-    fails its ``ray start``."""
+    each waited for, and started again (up to ``_NODE_TRIES`` times) when its ``ray start``
+    gives up: a raylet that does not register within Ray's fixed 30 s fails it, which a
+    2-core machine busy with other work sees."""
     common = ["--block", "--disable-usage-stats", f"--temp-dir={temp_dir}", *args]
-    procs.start(f"ray-{head}", hosts.argv(
+    argv = {h: hosts.argv(h, RAY, "start", f"--address={hosts.ip[head]}:{port}",
+                          f"--node-ip-address={hosts.ip[h]}", f"--num-cpus={n}", *common)
+            for h, n in cpus.items() if h != head}
+    argv[head] = hosts.argv(
         head, RAY, "start", "--head", f"--node-ip-address={hosts.ip[head]}", f"--port={port}",
-        f"--num-cpus={cpus[head]}", "--include-dashboard=false", *common), env)
-    nodes = wait_for("the Ray head", lambda: ray_nodes(hosts, env, head, port, 1), timeout_s,
-                     procs, [f"ray-{head}"])
-    workers = [h for h in cpus if h != head]
-    for count, host in enumerate(workers, start=2):
-        procs.start(f"ray-{host}", hosts.argv(
-            host, RAY, "start", f"--address={hosts.ip[head]}:{port}",
-            f"--node-ip-address={hosts.ip[host]}", f"--num-cpus={cpus[host]}", *common), env)
-        nodes = wait_for(f"Ray node {host}",
-                         lambda n=count: ray_nodes(hosts, env, head, port, n), timeout_s,
-                         procs, [f"ray-{head}", f"ray-{host}"])
+        f"--num-cpus={cpus[head]}", "--include-dashboard=false", *common)
+    up: list[str] = []
+    nodes: list[dict[str, Any]] = []
+    for host in [head, *(h for h in cpus if h != head)]:
+        up.append(host)
+        name = f"ray-{host}"
+        for attempt in range(1, _NODE_TRIES + 1):
+            proc = procs.start(name, argv[host], env)
+            try:
+                nodes = wait_for(f"Ray node {host}",
+                                 lambda: ray_nodes(hosts, env, head, port, len(up),
+                                                   [hosts.ip[h] for h in up]),
+                                 timeout_s, procs, [f"ray-{h}" for h in up])
+                break
+            except AssertionError:
+                if proc.poll() is None or attempt == _NODE_TRIES:
+                    raise  # not its start giving up, or no try left
+                procs.stop(name)  # what the failed start left in its group
     return nodes
 
 
-def ray_nodes(hosts: Hosts, env: dict[str, str], head: str, port: int, count: int
-              ) -> list[dict[str, Any]] | None:
-    """The live nodes when there are ``count``, asked from host ``head`` (the test's own
-    namespace has no route there)."""
+def ray_nodes(hosts: Hosts, env: dict[str, str], head: str, port: int, count: int,
+              addresses: Iterable[str] | None = None) -> list[dict[str, Any]] | None:
+    """The live nodes when there are ``count`` (at ``addresses``, when given), asked from
+    host ``head`` (the test's own namespace has no route there)."""
     code = (f"import json, ray; ray.init(address='{hosts.ip[head]}:{port}', "
             "logging_level='ERROR'); print(json.dumps([n for n in ray.nodes() if n['Alive']]))")
     try:
@@ -259,7 +276,11 @@ def ray_nodes(hosts: Hosts, env: dict[str, str], head: str, port: int, count: in
     if done.returncode != 0:
         return None
     nodes = json.loads(done.stdout.strip().splitlines()[-1])
-    return nodes if len(nodes) == count else None
+    if len(nodes) != count:
+        return None
+    if addresses is not None and {n["NodeManagerAddress"] for n in nodes} != set(addresses):
+        return None
+    return nodes
 
 
 # ----------------------------------------------------------------- CPU per host
@@ -292,7 +313,17 @@ def _role(cmdline: str) -> str:
         return "sshfs"
     if first.startswith("sshd") or "sftp-server" in cmdline:
         return "sshd"
-    return "other"
+    # Anything else by its program (a Python process by its script or module).
+    words = cmdline.split(" ")
+    if first.startswith("python"):
+        for i, word in enumerate(words[1:], start=1):
+            if word.endswith(".py"):
+                return Path(word).name
+            if word == "-m" and i + 1 < len(words):
+                return words[i + 1]
+            if word == "-c":
+                return "python -c"
+    return first or "?"
 
 
 class HostCPU:
@@ -326,16 +357,16 @@ class HostCPU:
     def sample(self) -> None:
         import psutil
 
-        for proc in psutil.process_iter(["pid", "create_time"]):
+        for proc in psutil.process_iter():
             try:
                 host = self.ids.get(os.stat(f"/proc/{proc.pid}/ns/net").st_ino)
                 if host is None:
                     continue
                 cpu = proc.cpu_times()
                 cmdline = " ".join(proc.cmdline())
+                key = (proc.pid, proc.create_time())
             except (OSError, psutil.Error):
                 continue
-            key = (proc.pid, proc.info["create_time"])
             role = _role(cmdline)
             with self._lock:
                 old = self._seen.get(key)
