@@ -370,8 +370,11 @@ class HostCPU:
             role = _role(cmdline)
             with self._lock:
                 old = self._seen.get(key)
-                if old is not None and role == "ray workers" and old[1] != "ray workers":
-                    role = old[1]  # a worker between tasks keeps the actor it runs
+                if old is not None and (not cmdline.strip() or (
+                        role == "ray workers" and old[1] != "ray workers")):
+                    # A process on its way out (no command line left), or a worker between
+                    # tasks: it keeps the role it had.
+                    role = old[1]
                 self._seen[key] = (host, role, cpu.user + cpu.system)
 
     def snapshot(self) -> dict[tuple[int, float], tuple[str, str, float]]:
