@@ -490,7 +490,7 @@ def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Des
 
 @contextlib.contextmanager
 def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
-    """A tmpfs of ``size_bytes`` on ``directory`` (as tests/support.py's); unmounted on exit."""
+    """A tmpfs of ``size_bytes`` on ``directory`` (as tests.support's); unmounted on exit."""
     directory.mkdir(parents=True, exist_ok=True)
     if os.geteuid() != 0:
         raise HarnessError("disk_full needs root to mount a small filesystem (tmpfs)")

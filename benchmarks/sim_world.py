@@ -16,7 +16,9 @@ The servers are plain asyncio protocols on uvloop with a hand-written HTTP/1.1 p
 framework): a screenshot costs a table lookup and a socket write, a 3 MB chat request is
 read by the kernel straight into one buffer and costs a handful of byte searches, never a
 JSON parse of the images. ``python benchmarks/sim_world.py measure``
-prints their CPU per request and the rate one process sustains.
+prints their CPU per request and the rate one process sustains; ``python
+benchmarks/sim_world.py serve --desktops 4 --host ADDRESS`` serves a world from a process of
+its own (in another network namespace, say) until SIGTERM, its URLs on stdout as one JSON line.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -1271,9 +1274,56 @@ def main(argv: list[str] | None = None) -> int:
     m.add_argument("--model-connections", type=int, default=16)
     m.add_argument("--history", type=int, default=4, help="past steps in the chat request")
     m.add_argument("--seconds", type=float, default=5.0)
+    s = sub.add_parser("serve", help="serve a sim world (e.g. inside a network namespace) "
+                       "until SIGTERM or SIGINT; its URLs on stdout as one JSON line")
+    s.add_argument("--desktops", type=int, default=0)
+    s.add_argument("--model-servers", type=int, default=0)
+    s.add_argument("--host", default="127.0.0.1", help="the address to bind")
+    s.add_argument("--desktop", type=json.loads, default={}, metavar="JSON",
+                   help='DesktopSim fields, e.g. \'{"rich_screenshots": false}\'')
+    s.add_argument("--model", type=json.loads, default={}, metavar="JSON",
+                   help='ModelSim fields, e.g. \'{"lengths": {"median_steps": 4}}\'')
     args = parser.parse_args(argv)
+    if args.command == "serve":
+        try:
+            desktop = _settings(DesktopSim, args.desktop, "--desktop")
+            model = _settings(ModelSim, args.model, "--model")
+        except ValueError as exc:
+            parser.error(str(exc))
+        _serve_world(SimWorld(args.desktops, args.model_servers, desktop=desktop, model=model,
+                              host=args.host))
+        return 0
     print(json.dumps(_measure(args), indent=1))
     return 0
+
+
+def _settings(cls: type, data: Any, option: str) -> Any:
+    """``cls`` from ``data`` (the JSON of ``option``), unknown fields named in the error."""
+    if not isinstance(data, dict):
+        raise ValueError(f"{option} must be a JSON object of {cls.__name__} fields")
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{option}: {cls.__name__} has no field {', '.join(unknown)} "
+                         f"(it has {', '.join(sorted(known))})")
+    try:
+        return _from_dict(cls, data)
+    except (KeyError, TypeError) as exc:
+        raise ValueError(f"{option}: {type(exc).__name__}: {exc}") from exc
+
+
+def _serve_world(world: SimWorld) -> None:
+    """Start ``world``, print where it serves, stop it at SIGTERM or SIGINT."""
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):  # handlers, not a mask: children inherit masks
+        signal.signal(sig, lambda *_: stop.set())
+    with world:
+        sys.stdout.write(json.dumps({"desktop_urls": world.desktop_urls,
+                                     "model_urls": world.model_urls,
+                                     "reset_command": world.reset_command,
+                                     "pids": world.pids}) + "\n")
+        sys.stdout.flush()
+        stop.wait()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,9 @@ apt_packages+=(bubblewrap libseccomp2)
 # OCR (the secrets test reads the screenshot of a terminal with tesseract) and a database server.
 # PostgreSQL: the trainer index's multi-consumer test starts its own server (initdb, pg_ctl).
 [ "$dev" = 1 ] && apt_packages+=(chromium tesseract-ocr postgresql)
+# The multi-node test's shared run directory (tests/integration/test_multi_node.py): sshfs
+# (FUSE) mounts it from an sshd the test starts itself, with openssh-server's sftp-server.
+[ "$dev" = 1 ] && apt_packages+=(sshfs openssh-server)
 [ "$osworld" = 1 ] && mapfile -t -O "${#apt_packages[@]}" apt_packages < <(apt_list apt-osworld.txt)
 # Container desktops: podman with Debian's runc (its default crun refuses this kind of VM's
 # cgroups v1), and debootstrap for the image's Debian base where no registry is reachable.
@@ -90,6 +93,11 @@ if [ "$apt" = 1 ]; then
         log "installing Debian packages: ${missing[*]}"
         $sudo apt-get update -qq
         DEBIAN_FRONTEND=noninteractive $sudo apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+        # Where systemd runs, installing openssh-server starts the machine's sshd on port 22;
+        # the tests start their own, so one installed for them is stopped and not enabled.
+        if [[ " ${missing[*]} " == *" openssh-server "* ]] && [ -d /run/systemd/system ]; then
+            $sudo systemctl disable --now ssh.service ssh.socket >/dev/null 2>&1 || true
+        fi
     else
         log "Debian packages present"
     fi

@@ -129,6 +129,10 @@ class RunStats:
             "model_in_flight": sum(by_endpoint.values()),
             "model_in_flight_by_endpoint": dict(by_endpoint),
             "step_time_s": _step_split(stats),
+            # Who writes the live runners' step files (runtime/storage.py, StepFiles): each
+            # runner process itself, or the storage actor (every step's bytes through it).
+            "step_files": dict(Counter(
+                mode for s in stats if (mode := (s.get("step_files") or {}).get("mode")))),
         }
         if scrape is not None:
             # The interval since the last written sample: the desktops' time split, actions

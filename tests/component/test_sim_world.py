@@ -6,8 +6,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
+import select
+import signal
 import socket
 import statistics
+import subprocess
+import sys
 import time
 
 import httpx
@@ -34,7 +39,9 @@ from cua_rollout.envs.client import RemoteDesktopEnv, close_shared_client
 from cua_rollout.envs.providers import Desktop
 from cua_rollout.envs.providers.static import StaticProvider
 from cua_rollout.model.client import ModelServicePool
+from tests.support import REPO_ROOT
 
+SIM_WORLD = REPO_ROOT / "benchmarks" / "sim_world.py"
 ACTION_S = 0.2
 RESET_S = 0.3
 BASE_S = 0.05
@@ -318,3 +325,46 @@ def test_stop_ends_every_process_and_frees_ports_and_temp_files():
     for port in set(ports):
         with pytest.raises(OSError), socket.create_connection(("127.0.0.1", port), timeout=2):
             pass
+
+
+def _serve(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, str(SIM_WORLD), "serve", *args], cwd=REPO_ROOT,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+
+
+@pytest.mark.integration
+def test_serve_prints_where_the_world_serves_and_stops_it_at_sigterm():
+    proc = _serve("--desktops", "2", "--model-servers", "1", "--desktop",
+                  json.dumps({"rich_screenshots": False, "screenshots": 1}),
+                  "--model", json.dumps({"model": "served", "lengths": {"median_steps": 2}}))
+    try:
+        assert proc.stdout is not None
+        ready, _, _ = select.select([proc.stdout], [], [], 60)
+        assert ready, "serve printed nothing within 60 s"
+        world = json.loads(proc.stdout.readline())
+        assert [u.rsplit("/", 1)[1] for u in world["desktop_urls"]] == ["0", "1"]
+        assert world["reset_command"] == RESET_COMMAND and len(world["model_urls"]) == 1
+        shot = httpx.get(world["desktop_urls"][1] + "/screenshot", timeout=10)
+        assert png_size(shot.content) == (1920, 1080)
+        models = httpx.get(world["model_urls"][0] + "/v1/models", timeout=10).json()
+        assert [m["id"] for m in models["data"]] == ["served"]  # the --model settings hold
+        pids = world["pids"]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        assert not any(psutil.pid_exists(p) for p in pids)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=10)
+        for pipe in (proc.stdout, proc.stderr):
+            if pipe is not None:
+                pipe.close()
+
+
+def test_serve_names_a_setting_that_does_not_exist():
+    proc = _serve("--model", json.dumps({"speed": 2}))
+    _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 2
+    assert "--model: ModelSim has no field speed" in err

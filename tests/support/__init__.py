@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-TESTS_DIR = Path(__file__).resolve().parent
+TESTS_DIR = Path(__file__).resolve().parent.parent
 REPO_ROOT = TESTS_DIR.parent
 
 
