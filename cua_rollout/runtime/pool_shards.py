@@ -461,9 +461,7 @@ class ShardedPool:
         ``state_s`` never step back) and is named in ``shards_unanswered``."""
         if len(self.shards) == 1:
             return await self._client(self.shards[0]).stats()
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(self._client(s).stats(), _SHARD_CALL_TIMEOUT_S)
-              for s in self.shards), return_exceptions=True)
+        answers = await self._ask_all(lambda c: c.stats(), _SHARD_CALL_TIMEOUT_S)
         silent = []
         for shard, answer in zip(self.shards, answers, strict=True):
             if isinstance(answer, dict):
@@ -486,9 +484,7 @@ class ShardedPool:
     async def _holder(self, desktop_id: str) -> Shard:
         if len(self.shards) == 1:
             return self.shards[0]
-        rows = await asyncio.gather(
-            *(asyncio.wait_for(self._client(s).describe(), _SHARD_CALL_TIMEOUT_S)
-              for s in self.shards), return_exceptions=True)
+        rows = await self._ask_all(lambda c: c.describe(), _SHARD_CALL_TIMEOUT_S)
         for shard, part in zip(self.shards, rows, strict=True):
             if isinstance(part, list) and any(r.get("id") == desktop_id for r in part):
                 return shard
@@ -526,11 +522,17 @@ class ShardedPool:
         await self._on_all(lambda c: c.stop())
         await self._cleanups.cancel_all()
 
+    async def _ask_all(self, call: Callable[[PoolClient], Awaitable[T]],
+                       timeout_s: float | None = None) -> list[T | BaseException]:
+        """``call`` on every shard at once; each answer or the error it raised."""
+        async def one(shard: Shard) -> T:
+            return await asyncio.wait_for(call(self._client(shard)), timeout_s)
+
+        return await asyncio.gather(*(one(s) for s in self.shards), return_exceptions=True)
+
     async def _on_all(self, call: Callable[[PoolClient], Awaitable[T]],
                       timeout_s: float | None = None) -> list[T]:
-        answers = await asyncio.gather(
-            *(asyncio.wait_for(call(self._client(s)), timeout_s) for s in self.shards),
-            return_exceptions=True)
+        answers = await self._ask_all(call, timeout_s)
         for answer in answers:
             if isinstance(answer, BaseException):
                 raise answer
