@@ -304,6 +304,7 @@ class DesktopPool:
                     for s in ("starting", "free", "leased", "resetting", "quarantined")}
         resets = sorted(self.reset_durations_s)  # bounded windows (_RESET_WINDOW)
         stats = {
+            "shard": self.name,
             **by_state,
             "state_s": {k: round(v, 3) for k, v in self.state_clock.totals().items()},
             "waiting": len(self._waiters),

@@ -1,0 +1,113 @@
+"""A sharded desktop pool on a real two-node Ray cluster (``ray.cluster_utils.Cluster``: two
+raylets on this machine, each a node with its own id): local desktops get a pool shard on
+each node, runners are placed with them, every episode's desktop came from the shard of its
+runner's own node, and the run records each episode exactly once."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import ray
+
+from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, scripted_server
+from cua_rollout.config import load_config
+from cua_rollout.runtime.launch import start_actors, stop_actors
+from cua_rollout.runtime.loader import TaskLoader
+from cua_rollout.runtime.pool_shards import ShardedPool
+from tests.support import REPO_ROOT
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DEMO = REPO_ROOT / "configs" / "demo.yaml"
+SUITE = REPO_ROOT / "tasks" / "demo"
+TASKS = ["terminal-hello-file", "terminal-make-dirs", "calc-add", "editor-save-new-file"]
+ROLLOUTS = 2
+RUN_TIMEOUT_S = 300
+
+
+@pytest.fixture
+def two_nodes() -> Any:
+    from ray.cluster_utils import Cluster
+
+    if ray.is_initialized():
+        ray.shutdown()
+    # Workers import the project from this checkout.
+    paths = [str(REPO_ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
+    try:
+        cluster.add_node(num_cpus=2)
+        cluster.wait_for_nodes()
+        ray.init(address=cluster.address, namespace="test-pool-shards",
+                 logging_level="WARNING")
+        yield cluster
+    finally:
+        ray.shutdown()
+        cluster.shutdown()
+
+
+def _results(run_dir: Path) -> list[dict[str, Any]]:
+    path = run_dir / "results.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_local_desktops_are_sharded_per_node_and_leased_by_that_nodes_runners(two_nodes, tmp):
+    policy = ScriptedPolicy(load_solutions([SUITE]), screen=(1280, 720))
+    with scripted_server(policy) as model:
+        # Two desktops per node for one runner per node: its own shard always has one free
+        # (the other may be resetting), so every lease should stay on the runner's node.
+        cfg = load_config(DEMO, [
+            f"run.output_dir={tmp / 'results'}", "run.name=shards",
+            f"desktops.local.state_dir={tmp / 'desktops'}",
+            "desktops.count=2", "desktops.warm_spares=2",
+            f"tasks.source={SUITE / 'test_all.json'}", f"tasks.task_ids={json.dumps(TASKS)}",
+            f"tasks.rollouts_per_task={ROLLOUTS}",
+            "model.scripted=false", f"model.endpoints={json.dumps([model.url])}",
+            "coordinator.max_concurrent_episodes=2", "coordinator.episodes_per_runner=1",
+            "coordinator.runner_num_cpus=1", "monitoring.metrics_interval_s=1",
+        ])
+        actors, _ = start_actors(cfg, cfg.run_dir, None, {"run": cfg.run.name})
+        try:
+            pool = actors.pool
+            assert pool is not None and pool.by_node
+            nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
+            assert {s.node_id for s in pool.shards} == nodes and len(pool.shards) == 2
+            assert all(s.desktops == 2 for s in pool.shards)
+            # Each shard actor runs on its node, under the run's name, found as the tool does.
+            names = sorted(n for n in ray.util.list_named_actors()
+                           if n.startswith("desktops:shards"))
+            assert names == sorted(f"desktops:shards/{s.name}" for s in pool.shards)
+            specs = TaskLoader(cfg.tasks, cfg.run_dir).poll()
+            assert len(specs) == len(TASKS) * ROLLOUTS
+            ray.get(actors.coordinator.submit.remote(specs))
+            assert ray.get(actors.coordinator.wait_idle.remote(RUN_TIMEOUT_S)), "not finished"
+            client = ShardedPool(pool)
+            rows = asyncio.run(client.describe())
+            per_shard = {s.name: ray.get(s.target.stats.remote()) for s in pool.shards}
+            total = asyncio.run(client.stats())
+        finally:
+            stop_actors(actors, "finished", None)
+    results = _results(cfg.run_dir)
+    ids = [r["episode_id"] for r in results]
+    assert sorted(ids) == sorted(s.episode_id for s in specs), ids  # each exactly once
+    assert {r["status"] for r in results} == {"success"}
+    # Runners were placed with the desktops: both nodes ran episodes.
+    assert {r["node"] for r in results} == nodes
+    # Every desktop an episode used came from the shard of its runner's own node.
+    shard_of = {row["id"]: row["shard"] for row in rows}
+    node_of = {s.name: s.node_id for s in pool.shards}
+    assert all(per_shard[s]["replaced"] == 0 for s in per_shard)  # every desktop still listed
+    for r in results:
+        assert node_of[shard_of[r["desktop"]]] == r["node"], r
+    # Each shard lent exactly the episodes of its node's runners, none withdrawn.
+    by_node = Counter(r["node"] for r in results)
+    for name, stats in per_shard.items():
+        assert stats["leases"] == by_node[node_of[name]], (name, stats)
+        assert stats["withdrawn"] == 0
+    assert total["leases"] == len(results) and total["shards"] == 2
