@@ -19,7 +19,7 @@ from cua_rollout.agents.scripted_policy import ScriptedPolicy, load_solutions, s
 from cua_rollout.config import load_config
 from cua_rollout.runtime.launch import start_actors, stop_actors
 from cua_rollout.runtime.loader import TaskLoader
-from cua_rollout.runtime.pool_shards import ShardedPool
+from cua_rollout.runtime.pool_shards import ShardedPool, find_run_shards
 from tests.support import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -83,6 +83,9 @@ def test_local_desktops_are_sharded_per_node_and_leased_by_that_nodes_runners(tw
             names = sorted(n for n in ray.util.list_named_actors()
                            if n.startswith("desktops:shards"))
             assert names == sorted(f"desktops:shards/{s.name}" for s in pool.shards)
+            found = find_run_shards("shards")
+            assert found is not None
+            assert sorted(s.name for s in found.shards) == sorted(s.name for s in pool.shards)
             specs = TaskLoader(cfg.tasks, cfg.run_dir).poll()
             assert len(specs) == len(TASKS) * ROLLOUTS
             ray.get(actors.coordinator.submit.remote(specs))
