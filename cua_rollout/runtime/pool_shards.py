@@ -383,7 +383,8 @@ class ShardedPool:
                 call = asked[shard.name]
                 if call not in done:
                     continue
-                exc = call.exception()
+                exc = (DesktopUnavailable(f"shard {shard.name}: the lease call was cancelled")
+                       if call.cancelled() else call.exception())
                 if exc is not None:
                     errors.append((shard, exc))
                 elif winner is None:
@@ -398,8 +399,9 @@ class ShardedPool:
                 f"no desktop free for {owner} in any of {len(order)} shards: "
                 f"{unavailable[0]}" + (f" (and {others})" if others else ""))
         # Every other shard still waiting, or that granted too, gives the owner's up.
-        losers = [s for s in order if s is not winner
-                  and (not asked[s.name].done() or asked[s.name].exception() is None)]
+        losers = [s for s in order if s is not winner and (
+            not asked[s.name].done()
+            or (not asked[s.name].cancelled() and asked[s.name].exception() is None))]
         if losers:
             self._withdraw_later(owner, losers, asked)
         return asked[winner.name].result()
