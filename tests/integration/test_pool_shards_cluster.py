@@ -1,7 +1,8 @@
 """A sharded desktop pool on a real two-node Ray cluster (``ray.cluster_utils.Cluster``: two
 raylets on this machine, each a node with its own id): local desktops get a pool shard on
-each node, runners are placed with them, every episode's desktop came from the shard of its
-runner's own node, and the run records each episode exactly once."""
+each node in proportion to its CPUs, runners are placed in the same proportion, every
+episode's desktop came from the shard of its runner's own node, and the run records each
+episode exactly once."""
 
 from __future__ import annotations
 
@@ -42,7 +43,7 @@ def two_nodes() -> Any:
     os.environ["PYTHONPATH"] = os.pathsep.join(dict.fromkeys(paths))
     cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 2})
     try:
-        cluster.add_node(num_cpus=2)
+        cluster.add_node(num_cpus=4)
         cluster.wait_for_nodes()
         ray.init(address=cluster.address, namespace="test-pool-shards",
                  logging_level="WARNING")
@@ -60,17 +61,18 @@ def _results(run_dir: Path) -> list[dict[str, Any]]:
 def test_local_desktops_are_sharded_per_node_and_leased_by_that_nodes_runners(two_nodes, tmp):
     policy = ScriptedPolicy(load_solutions([SUITE]), screen=(1280, 720))
     with scripted_server(policy) as model:
-        # Two desktops per node for one runner per node: its own shard always has one free
-        # (the other may be resetting), so every lease should stay on the runner's node.
+        # Eight desktops over 2 + 4 CPUs: 3 on the head, 5 on the worker; four runners in
+        # the same proportion: 1 and 3. A router that ignored nodes would give all four
+        # runners their first desktop from their own node by chance once in 16.
         cfg = load_config(DEMO, [
             f"run.output_dir={tmp / 'results'}", "run.name=shards",
             f"desktops.local.state_dir={tmp / 'desktops'}",
-            "desktops.count=2", "desktops.warm_spares=2",
+            "desktops.count=4", "desktops.warm_spares=4",
             f"tasks.source={SUITE / 'test_all.json'}", f"tasks.task_ids={json.dumps(TASKS)}",
             f"tasks.rollouts_per_task={ROLLOUTS}",
             "model.scripted=false", f"model.endpoints={json.dumps([model.url])}",
-            "coordinator.max_concurrent_episodes=2", "coordinator.episodes_per_runner=1",
-            "coordinator.runner_num_cpus=1", "monitoring.metrics_interval_s=1",
+            "coordinator.max_concurrent_episodes=4", "coordinator.episodes_per_runner=1",
+            "coordinator.runner_num_cpus=0.5", "monitoring.metrics_interval_s=1",
         ])
         actors, _ = start_actors(cfg, cfg.run_dir, None, {"run": cfg.run.name})
         try:
@@ -78,7 +80,8 @@ def test_local_desktops_are_sharded_per_node_and_leased_by_that_nodes_runners(tw
             assert pool is not None and pool.by_node
             nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
             assert {s.node_id for s in pool.shards} == nodes and len(pool.shards) == 2
-            assert all(s.desktops == 2 for s in pool.shards)
+            cpus = {n["NodeID"]: n["Resources"]["CPU"] for n in ray.nodes() if n["Alive"]}
+            assert {cpus[s.node_id]: s.desktops for s in pool.shards} == {2: 3, 4: 5}
             # Each shard actor runs on its node, under the run's name, found as the tool does.
             names = sorted(n for n in ray.util.list_named_actors()
                            if n.startswith("desktops:shards"))
@@ -99,18 +102,30 @@ def test_local_desktops_are_sharded_per_node_and_leased_by_that_nodes_runners(tw
     results = _results(cfg.run_dir)
     ids = [r["episode_id"] for r in results]
     assert sorted(ids) == sorted(s.episode_id for s in specs), ids  # each exactly once
-    assert {r["status"] for r in results} == {"success"}
-    # Runners were placed with the desktops: both nodes ran episodes.
-    assert {r["node"] for r in results} == nodes
-    # Every desktop an episode used came from the shard of its runner's own node.
+    assert {r["status"] for r in results} == {"success"}, [
+        (r["episode_id"], r["status"], r.get("error")) for r in results]
+    # Runners were placed with the desktops (not spread evenly): 1 on the head, 3 beside.
+    runners_by_node = Counter(node for node in {r["runner"]: r["node"]
+                                                for r in results}.values())
+    assert {cpus[n]: k for n, k in runners_by_node.items()} == {2: 1, 4: 3}, runners_by_node
+    # A runner's first lease came from its own node's shard: all desktops are free then,
+    # and each node has at least as many as its runners. Later ones may come from the other
+    # node's shard when a runner's own has none free (its desktops leased or resetting).
     shard_of = {row["id"]: row["shard"] for row in rows}
     node_of = {s.name: s.node_id for s in pool.shards}
     assert all(per_shard[s]["replaced"] == 0 for s in per_shard)  # every desktop still listed
-    for r in results:
+    firsts = {}
+    for r in sorted(results, key=lambda r: r["started_at"]):
+        firsts.setdefault(r["runner"], r)
+    assert len(firsts) == 4
+    for r in firsts.values():
         assert node_of[shard_of[r["desktop"]]] == r["node"], r
-    # Each shard lent exactly the episodes of its node's runners, none withdrawn.
-    by_node = Counter(r["node"] for r in results)
-    for name, stats in per_shard.items():
-        assert stats["leases"] == by_node[node_of[name]], (name, stats)
-        assert stats["withdrawn"] == 0
+    # Each shard lent exactly the episodes whose desktops it holds: no grant lost or
+    # doubled (a grant withdrawn from a shard that was not needed is no lease).
+    assert all(r["attempt"] == 0 for r in results), [
+        (r["episode_id"], r["attempt"], r["desktops_tried"]) for r in results]
+    lent = Counter(shard_of[r["desktop"]] for r in results)
+    assert {name: stats["leases"] for name, stats in per_shard.items()} == {
+        name: lent[name] for name in per_shard}
     assert total["leases"] == len(results) and total["shards"] == 2
+    assert total["leased"] == 0
