@@ -225,9 +225,10 @@ class PoolShards:
             raise ValueError(f"shard names repeat: {names}")
 
     def desktops_by_node(self) -> dict[str, int]:
-        """Planned desktops per node of node shards (empty for hash shards): where runners
-        go."""
-        if not self.by_node:
+        """Planned desktops per node of node shards: where runners go. Empty for hash shards
+        and for one shard (``desktops.node``, or a one-node cluster): runners spread as
+        before shards (a pinned node may have no CPU for them)."""
+        if not self.by_node or len(self.shards) == 1:
             return {}
         out: dict[str, int] = {}
         for s in self.shards:

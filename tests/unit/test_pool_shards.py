@@ -19,6 +19,8 @@ from cua_rollout.runtime.pool import Share
 from cua_rollout.runtime.pool_shards import (
     DESKTOPS_PER_HASH_SHARD,
     NodeInfo,
+    PoolShards,
+    Shard,
     aggregate_stats,
     default_hash_shards,
     next_runner_node,
@@ -156,3 +158,14 @@ def test_shard_figures_sum_to_one_pools():
     assert out["reset_s_max"] == 0.9 and out["reset_s_median"] == pytest.approx(0.3)
     assert out["last_start_error"] == "shard node-b: Xvfb did not start"
     assert aggregate_stats([a]) == a
+
+
+def test_runners_follow_node_shards_only_when_there_are_several():
+    node_shards = PoolShards((Shard("node-a", None, "a", None, 3),
+                              Shard("node-b", None, "b", None, 1)), by_node=True)
+    assert node_shards.desktops_by_node() == {"a": 3, "b": 1}
+    # One shard (desktops.node, maybe a node without CPUs) or hash shards: runners spread.
+    assert PoolShards((Shard("node-a", None, "a", None, 3),), by_node=True
+                      ).desktops_by_node() == {}
+    assert PoolShards((Shard("hash-0", None, "a"), Shard("hash-1", None, "a"))
+                      ).desktops_by_node() == {}
