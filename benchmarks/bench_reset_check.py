@@ -7,8 +7,9 @@ thread (``cua_rollout.envs.verify.screen_thumbnail``, now).
 One ``DesktopPool`` (in-process, a fake provider) whose every reset decodes a 1920x1080
 UI-like PNG of a few hundred KB (``sim_world.make_screenshot``) the way the reset check
 does; ``--churners`` episodes lease, hold a desktop ``--hold-s`` and release it (a reset
-each), while a probe leases and releases from another thread, as a runner's call reaches a
-pool actor's event loop. Prints, per mode: resets/s, and the probe's lease wall time
+each), while a probe leases from another thread every 10 ms (as a runner's call reaches a
+pool actor's event loop) and gives the desktop back unused (no reset of its own). Prints,
+per mode: resets/s, and the probe's lease wall time
 (median, 99th percentile, max): what a lease waits for while the pool decodes.
 """
 
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import itertools
 import json
 import statistics
 import sys
@@ -64,9 +66,13 @@ async def _measure(png: bytes, threaded: bool, desktops: int, seconds: float,
             await asyncio.sleep(hold_s)
             await pool.release(lease.lease_id)
 
-    async def lease_and_release() -> None:
-        lease = await pool.lease("probe/x", 60)
-        await pool.release(lease.lease_id)
+    probes = itertools.count()
+
+    async def lease_and_give_back() -> None:
+        # Given back unused (withdraw): the probe adds no reset of its own to the load.
+        owner = f"probe/{next(probes)}"
+        await pool.lease(owner, 60)
+        await pool.withdraw(owner)
 
     def probe() -> list[float]:
         """Leases as a runner's arrive at a pool actor: from outside its event loop, so
@@ -74,7 +80,7 @@ async def _measure(png: bytes, threaded: bool, desktops: int, seconds: float,
         waits = []
         while time.monotonic() < end:
             t0 = time.perf_counter()
-            asyncio.run_coroutine_threadsafe(lease_and_release(), loop).result()
+            asyncio.run_coroutine_threadsafe(lease_and_give_back(), loop).result()
             waits.append(time.perf_counter() - t0)
             time.sleep(0.01)
         return waits
@@ -99,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seconds", type=float, default=10.0)
     parser.add_argument("--churners", type=int, default=8,
                         help="episodes at once, each releasing its desktop every --hold-s")
-    parser.add_argument("--hold-s", type=float, default=0.2)
+    parser.add_argument("--hold-s", type=float, default=0.25)
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     png = make_screenshot(1)

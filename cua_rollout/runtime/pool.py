@@ -139,6 +139,8 @@ class DesktopPool:
         # Owners (prefixes) whose leases were given back for them: an episode cancelled or a
         # runner declared dead. A lease call of theirs still in transit must not be granted.
         self._revoked: dict[str, float] = {}
+        # Owners (exact) that withdrew from this shard: their lease calls in transit too.
+        self._withdrawn: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -255,7 +257,7 @@ class DesktopPool:
         its waits end now, a lease of its that was granted meanwhile goes back to the free
         desktops without a reset (it was never used), and a lease call of its still in
         transit is refused. Returns how many leases went back."""
-        self._revoke(owner)
+        self._revoke(owner, exact=True)
         for waiter, who in list(self._waiting_owner.items()):
             if who == owner and not waiter.done():
                 waiter.set_exception(DesktopUnavailable(f"{owner} withdrew its lease"))
@@ -390,17 +392,24 @@ class DesktopPool:
 
     # ----------------------------------------------------------------- internals
 
-    def _revoke(self, owner_prefix: str) -> None:
-        """Refuse leases to owners starting with ``owner_prefix`` for as long as a lease call
-        of theirs could still be in transit."""
+    def _revoke(self, owner_prefix: str, exact: bool = False) -> None:
+        """Refuse leases to owners starting with ``owner_prefix`` (``exact``: to that owner
+        only) for as long as a lease call of theirs could still be in transit."""
         now = time.monotonic()
+        until = now + 2 * self.cfg.lease_timeout_s + 60
+        if exact:
+            self._withdrawn = {p: t for p, t in self._withdrawn.items() if t > now}
+            self._withdrawn[owner_prefix] = until
+            return
         self._revoked = {p: t for p, t in self._revoked.items() if t > now}
-        self._revoked[owner_prefix] = now + 2 * self.cfg.lease_timeout_s + 60
+        self._revoked[owner_prefix] = until
 
     def _label(self) -> str:
         return f"shard {self.name}" if self.name else "the pool"
 
     def _is_revoked(self, owner: str) -> bool:
+        if self._withdrawn.get(owner, 0.0) > time.monotonic():
+            return True
         if not self._revoked:
             return False
         now = time.monotonic()

@@ -277,3 +277,19 @@ async def test_one_shard_is_the_pool_itself():
         assert (await client.stats())["releases"] == 1
     finally:
         await pool.stop()
+
+
+async def test_a_withdrawal_refuses_that_owner_only():
+    """``withdraw`` is exact, where ``release_owned`` takes a prefix (a runner's)."""
+    pool = DesktopPool(cfg(count=2), FakeProvider())
+    await pool.start()
+    try:
+        lease = await pool.lease("probe/1", 1)
+        assert await pool.withdraw("probe/1") == 1
+        assert pool.stats()["free"] == 2 and pool.counters["leases"] == 0  # back, no reset
+        with pytest.raises(DesktopUnavailable, match="released before its lease arrived"):
+            await pool.lease("probe/1", 0.1)
+        other = await pool.lease("probe/10", 1)
+        assert other.lease_id != lease.lease_id
+    finally:
+        await pool.stop()
