@@ -690,9 +690,20 @@ class DesktopsConfig(_Section):
     ``container``: the image's ``cua.apps`` label; others: every app).
     ``cua_rollout/envs/apps.py``."""
     node: str | None = None
-    """The Ray node that runs the desktop pool, and so starts ``local`` desktops and runs
+    """The one Ray node that runs the desktop pool, and so starts ``local`` desktops and runs
     the ``container`` engine's CLI: its IP address as Ray reports it (``ray.nodes()``'s
-    ``NodeManagerAddress``, ``ray status``) or its node id. Null: the driver's node."""
+    ``NodeManagerAddress``, ``ray status``) or its node id. Null: ``local``, ``container``
+    and ``vm`` desktops run on every live node with CPUs, a pool shard on each with its
+    share of ``count + warm_spares`` (in proportion to the nodes' CPUs), and runners lease
+    from their own node's shard first; ``static`` and ``kubernetes`` shards
+    (``shards``) run on the driver's node."""
+    shards: PositiveInt | None = None
+    """How many pool shards hold ``static`` and ``kubernetes`` desktops: a desktop belongs
+    to the shard its key hashes to (a static desktop's URL, a pod's index: the stable part
+    of its name), each shard a process of its own (leases, resets and reset checks spread
+    over them). Null: one per 500 desktops of ``count + warm_spares``, rounded up (a run of
+    up to 500 has one; one shard sustains ~1,500 with ``verify`` on). ``local``,
+    ``container`` and ``vm`` desktops have a shard per node instead (``node``)."""
     count: PositiveInt = 2
     """Desktops in the pool (for ``static``: taken from ``static.urls`` when unset)."""
     warm_spares: Annotated[int, Field(ge=0)] = 1
@@ -765,6 +776,23 @@ class DesktopsConfig(_Section):
                 "container": self.container.start_timeout_s,
                 "kubernetes": self.kubernetes.startup_timeout_s,
                 }.get(self.provider, self.local.start_timeout_s)
+
+    @model_validator(mode="after")
+    def _shards_fit(self) -> DesktopsConfig:
+        if self.shards is None:
+            return self
+        if self.provider not in ("static", "kubernetes"):
+            raise ValueError(
+                f"desktops.shards is for static and kubernetes desktops; {self.provider} "
+                "desktops have one pool shard per node that runs them (desktops.node pins "
+                "them to one)")
+        desktops = self.count + self.warm_spares
+        if self.provider == "static" and self.static.urls:
+            desktops = min(desktops, len(self.static.urls))
+        if self.shards > desktops:
+            raise ValueError(f"desktops.shards {self.shards} is more than the run's "
+                             f"{desktops} desktops: a shard would hold none")
+        return self
 
     @model_validator(mode="after")
     def _vm_complete(self) -> DesktopsConfig:

@@ -7,8 +7,10 @@ stopping it; or, with no run alive, list and sweep what a provider left behind.
     python scripts/desktops.py remove DESKTOP --config C       # stop it; another takes its place
     python scripts/desktops.py sweep --config C                # remove desktops of dead runs
 
-A live run is found by its pool's Ray actor (``desktops:<run.name>`` in ``ray.namespace``,
-on the cluster at ``ray.address`` or the one the run's run.json names). Without one,
+A live run is found by its pool's Ray actors (``desktops:<run.name>``, or
+``desktops:<run.name>/<shard>`` for each shard of a sharded pool, in ``ray.namespace``, on
+the cluster at ``ray.address`` or the one the run's run.json names): ``status`` lists every
+shard's desktops, an action goes to the shard that holds the desktop. Without one,
 ``status`` lists what the provider shows (containers by label, pods by label with their
 heartbeat, local desktops by their state files). ``release`` quarantines the desktop rather
 than resetting it under its episode: the episode fails at its next call and is retried on
@@ -31,8 +33,7 @@ from cua_rollout.config import Config
 from cua_rollout.core.errors import ConfigError, DesktopError, RolloutError
 from cua_rollout.core.files import read_json
 from cua_rollout.core.layout import RUN_FILE
-from cua_rollout.runtime.actors import PoolClient
-from cua_rollout.runtime.pool import pool_actor_name
+from cua_rollout.runtime.pool_shards import PoolShards, ShardedPool, find_run_shards
 
 __all__ = ["main"]
 
@@ -42,8 +43,8 @@ _COLUMNS = ("id", "state", "owner", "lease_age_s", "leases", "failures", "url", 
             "last_error")
 
 
-def _live_pool(cfg: Config) -> Any | None:
-    """The run's pool actor, or None when no run of that name is alive."""
+def _live_pool(cfg: Config) -> PoolShards | None:
+    """The run's pool shards, or None when no run of that name is alive."""
     import ray
 
     # The run's own cluster (run.json says where it is): "auto" could find another
@@ -57,16 +58,7 @@ def _live_pool(cfg: Config) -> Any | None:
                  log_to_driver=False)
     except (ConnectionError, RuntimeError, ValueError):
         return None
-    name = pool_actor_name(cfg.run.name)
-    # run.py adds a suffix when the name was still held in the cluster.
-    names = sorted(n for n in ray.util.list_named_actors()  # this namespace's, as names
-                   if n == name or n.startswith(name + "#"))
-    for found in names:
-        try:
-            return ray.get_actor(found)
-        except ValueError:
-            continue
-    return None
+    return find_run_shards(cfg.run.name)
 
 
 def _offline_rows(cfg: Config) -> list[dict[str, Any]]:
@@ -104,9 +96,12 @@ def _offline_rows(cfg: Config) -> list[dict[str, Any]]:
 def _table(rows: list[dict[str, Any]]) -> str:
     if not rows:
         return "no desktops"
-    cells = [[str(r.get(c) if r.get(c) is not None else "-") for c in _COLUMNS] for r in rows]
-    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(_COLUMNS)]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(_COLUMNS, widths, strict=True))]
+    columns = _COLUMNS
+    if len({r.get("shard") for r in rows}) > 1:  # a sharded pool: which shard holds each
+        columns = (_COLUMNS[0], "shard", *_COLUMNS[1:])
+    cells = [[str(r.get(c) if r.get(c) is not None else "-") for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
               for row in cells]
     return "\n".join(lines)
@@ -169,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
 
     pool = _live_pool(cfg)
     if args.command == "status":
-        rows = _ask(pool, PoolClient.describe) if pool is not None else _offline_rows(cfg)
+        rows = _ask(pool, ShardedPool.describe) if pool is not None else _offline_rows(cfg)
         if args.json:
             print(json.dumps({"live": pool is not None, "desktops": rows}, indent=1))
         else:
@@ -181,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"no live run named {cfg.run.name!r} in namespace {cfg.ray.namespace!r}",
               file=sys.stderr)
         return 1
-    method = {"release": PoolClient.release_desktop, "quarantine": PoolClient.quarantine,
-              "remove": PoolClient.remove}[args.command]
+    method = {"release": ShardedPool.release_desktop, "quarantine": ShardedPool.quarantine,
+              "remove": ShardedPool.remove}[args.command]
     try:
         print(_ask(pool, lambda client: method(client, args.desktop)))
     except ray.exceptions.RayTaskError as exc:
@@ -195,12 +190,12 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _ask(pool: Any, question: Callable[[PoolClient], Awaitable[T]]) -> T:
-    """One call to the live pool actor, awaited (its errors raised as ``ray.get`` raises
-    them: a ``RayTaskError`` that is also its cause)."""
+def _ask(pool: PoolShards, question: Callable[[ShardedPool], Awaitable[T]]) -> T:
+    """One question to the live pool's shards, awaited (their errors raised as ``ray.get``
+    raises them: a ``RayTaskError`` that is also its cause)."""
 
     async def answer() -> T:
-        return await question(PoolClient(pool))
+        return await question(ShardedPool(pool))
 
     return asyncio.run(answer())
 

@@ -31,7 +31,8 @@ from typing import Any
 from cua_rollout.core.errors import DesktopError
 from cua_rollout.envs.client import RemoteDesktopEnv
 
-__all__ = ["DESKTOP_SCRIPT", "Baseline", "DesktopVerifier", "changed_cells", "thumbnail"]
+__all__ = ["DESKTOP_SCRIPT", "Baseline", "DesktopVerifier", "changed_cells",
+           "screen_thumbnail", "thumbnail"]
 
 # Python run on the desktop (OSWorld's VMs and our desktops have python3), shared by the check
 # below and the static provider's builtin reset: ``desktop_processes(keep)`` is {pid: name} of
@@ -130,6 +131,13 @@ def thumbnail(png: bytes) -> bytes:
         return image.convert("L").resize((8, 8), Image.Resampling.BOX).tobytes()
 
 
+async def screen_thumbnail(png: bytes) -> bytes:
+    """``thumbnail`` on a thread: decoding a full screen's PNG takes tens of milliseconds,
+    which on the pool's event loop would hold up every lease and release meanwhile (PIL
+    lets go of the GIL while it decodes and scales)."""
+    return await asyncio.to_thread(thumbnail, png)
+
+
 def changed_cells(a: bytes, b: bytes) -> int:
     return sum(abs(x - y) > _CELL_DELTA for x, y in zip(a, b, strict=True))
 
@@ -173,7 +181,7 @@ class DesktopVerifier:
             if self.verify.screenshot_max_distance is not None:
                 shot = await env.observe()
                 assert shot.png is not None
-                screen = thumbnail(shot.png)
+                screen = await screen_thumbnail(shot.png)
         finally:
             await env.close()
         ignore = set(self.verify.ignore_processes) | _TRANSIENT
@@ -192,7 +200,7 @@ class DesktopVerifier:
         finally:
             await env.close()
         assert shot.png is not None
-        return thumbnail(shot.png)
+        return await screen_thumbnail(shot.png)
 
     async def remember(self, desktop_id: str, url: str) -> Baseline:
         """Take the desktop's baseline (it is fresh)."""

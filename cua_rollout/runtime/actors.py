@@ -38,7 +38,8 @@ class _Client:
 
 
 class PoolClient(_Client):
-    """``cua_rollout.runtime.pool.DesktopPool``."""
+    """``cua_rollout.runtime.pool.DesktopPool``: one pool or one shard of a run's pool
+    (``cua_rollout.runtime.pool_shards.ShardedPool`` is the client of all of them)."""
 
     def lease(self, owner: str, timeout_s: float | None = None, avoid: Iterable[str] = ()
               ) -> Awaitable[Lease]:
@@ -49,6 +50,9 @@ class PoolClient(_Client):
 
     def release_owned(self, owner_prefix: str, healthy: bool = True) -> Awaitable[int]:
         return send(self.target.release_owned, owner_prefix, healthy)
+
+    def withdraw(self, owner: str) -> Awaitable[int]:
+        return send(self.target.withdraw, owner)
 
     def stats(self) -> Awaitable[dict[str, Any]]:
         return send(self.target.stats)

@@ -33,9 +33,10 @@ from cua_rollout.config import Config
 from cua_rollout.core.aio import TaskSet, backoff_s
 from cua_rollout.core.errors import ConfigError, one_line
 from cua_rollout.core.types import EpisodeResult, EpisodeSpec, Status, infra_result
-from cua_rollout.runtime.actors import PoolClient, RunnerClient, StorageClient
+from cua_rollout.runtime.actors import RunnerClient, StorageClient
 from cua_rollout.runtime.episode import episode_deadline_s
 from cua_rollout.runtime.outages import Breakers
+from cua_rollout.runtime.pool_shards import PoolShards, ShardedPool, next_runner_node
 from cua_rollout.runtime.runner import TrajectoryRunner
 from cua_rollout.runtime.stats import RunStats
 
@@ -68,6 +69,7 @@ class _Runner:
     active: set[str] = field(default_factory=set)
     alive: bool = True
     last_stats: dict[str, Any] = field(default_factory=dict)
+    node: str | None = None   # the node it was placed on (softly), with node pool shards
 
 
 class AgentCoordinator:
@@ -86,7 +88,10 @@ class AgentCoordinator:
         self.cfg = cfg
         self.desktop_pool = desktop_pool
         self.storage = storage
-        self._pool = PoolClient(desktop_pool) if desktop_pool is not None else None
+        self._pool = ShardedPool(desktop_pool) if desktop_pool is not None else None
+        # Node pool shards: runners go to the nodes in proportion to their desktops.
+        self._desktops_by_node = (desktop_pool.desktops_by_node()
+                                  if isinstance(desktop_pool, PoolShards) else {})
         self._storage = StorageClient(storage)
         self.model_state_dir = model_state_dir
         self.use_ray = use_ray
@@ -285,19 +290,28 @@ class AgentCoordinator:
     def _new_runner(self) -> _Runner:
         runner_id = f"runner-{next(self._runner_ids)}"
         args = (self.cfg, self.desktop_pool, self.storage, runner_id, self.model_state_dir)
+        node = None
+        if self._desktops_by_node:
+            node = next_runner_node(self._desktops_by_node,
+                                    Counter(r.node for r in self._runners if r.alive))
         if self.use_ray:
             import ray
+            from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+            # With its desktops' shard (soft: a full node places it elsewhere); spread
+            # when the desktops are anywhere (hash shards) or none (text tasks).
+            strategy: Any = ("SPREAD" if node is None
+                             else NodeAffinitySchedulingStrategy(node, soft=True))
             handle = ray.remote(TrajectoryRunner).options(
                 name=None,
                 num_cpus=self.cfg.coordinator.runner_num_cpus,
                 max_concurrency=self.cfg.coordinator.episodes_per_runner + _RUNNER_SPARE_CALLS,
-                scheduling_strategy="SPREAD",
+                scheduling_strategy=strategy,
                 max_restarts=0,
             ).remote(*args)
         else:
             handle = (self.runner_factory or TrajectoryRunner)(*args)
-        runner = _Runner(runner_id, handle, RunnerClient(handle))
+        runner = _Runner(runner_id, handle, RunnerClient(handle), node=node)
         self._runners.append(runner)
         self.counters["runners_started"] += 1
         return runner
@@ -377,7 +391,7 @@ class AgentCoordinator:
 
     async def _declare_dead(self, runner: _Runner, why: str) -> None:
         """Kill the runner (so it can no longer drive a desktop), then give its desktops
-        back; the pool refuses its leases still in transit."""
+        back (every pool shard's); the shards refuse its leases still in transit."""
         if not runner.alive:
             return
         runner.alive = False
@@ -548,7 +562,7 @@ class AgentCoordinator:
         servers')."""
         runners = [r for r in self._runners if r.alive]
 
-        async def one(client: PoolClient | RunnerClient | None) -> dict[str, Any] | None:
+        async def one(client: ShardedPool | RunnerClient | None) -> dict[str, Any] | None:
             if client is None:  # no desktop pool: a run of text tasks
                 return None
             try:

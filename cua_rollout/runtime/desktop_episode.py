@@ -17,9 +17,9 @@ from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import DONE, FAIL, WAIT, Status
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv
-from cua_rollout.runtime.actors import PoolClient
 from cua_rollout.runtime.episode import ACTOR_CALL_TIMEOUT_S, Episode, EpisodeEnded, within
 from cua_rollout.runtime.pool import Lease
+from cua_rollout.runtime.pool_shards import ShardedPool
 from cua_rollout.runtime.trajectory import StepRecord
 
 __all__ = ["DesktopEpisode", "open_leased_desktop"]
@@ -48,25 +48,26 @@ class DesktopEpisode(Episode):
         return env
 
     async def _lease(self) -> Lease:
-        """A desktop for this attempt. The pool's own deadline is the lease timeout; a pool
-        that does not answer well past it is a desktop outage too."""
+        """A desktop for this attempt, from this node's pool shard first. The pool's own
+        deadline is the lease timeout; a pool that does not answer well past it is a desktop
+        outage too."""
         timeout_s = self.cfg.desktops.lease_timeout_s
         try:
             return await asyncio.wait_for(
-                PoolClient(self.r.desktop_pool).lease(self.owner, timeout_s, self.avoid),
+                ShardedPool.of(self.r.desktop_pool).lease(self.owner, timeout_s, self.avoid),
                 timeout_s + ACTOR_CALL_TIMEOUT_S)
         except TimeoutError:
             raise DesktopUnavailable(f"the desktop pool did not answer a lease within "
                                      f"{timeout_s + ACTOR_CALL_TIMEOUT_S:.0f}s") from None
 
     async def _give_back(self, healthy: bool) -> None:
-        pool = PoolClient(self.r.desktop_pool)
-        if self.lease is not None:
-            await within(pool.release(self.lease.lease_id, healthy), ACTOR_CALL_TIMEOUT_S,
+        pool = ShardedPool.of(self.r.desktop_pool)
+        if self.lease is not None:  # to the shard that lent it
+            await within(pool.release(self.lease, healthy), ACTOR_CALL_TIMEOUT_S,
                          "the desktop pool (release)")
         else:
             # A lease granted after this episode stopped waiting for it (a cancel, a
-            # deadline, a call still in transit) must not stay lent to nobody: the pool
+            # deadline, a call still in transit) must not stay lent to nobody: every shard
             # releases what this owner holds and refuses it any later grant.
             await within(pool.release_owned(self.owner, True), ACTOR_CALL_TIMEOUT_S,
                          "the desktop pool (release_owned)")

@@ -32,7 +32,7 @@ from cua_rollout.agents.scripted_policy import (
     scripted_server,
 )
 from cua_rollout.config import Config, secret_from_env
-from cua_rollout.core.errors import ConfigError, FatalSetupError, one_line
+from cua_rollout.core.errors import ConfigError, DesktopError, FatalSetupError, one_line
 from cua_rollout.core.http import (
     error_text,
     is_loopback,
@@ -46,6 +46,16 @@ from cua_rollout.results.trackers import check_tracker, log_run
 from cua_rollout.runtime.coordinator import AgentCoordinator
 from cua_rollout.runtime.loader import load_benchmark
 from cua_rollout.runtime.pool import DesktopPool, pool_actor_name
+from cua_rollout.runtime.pool_shards import (
+    NodeInfo,
+    PoolShards,
+    Shard,
+    ShardPlan,
+    aggregate_stats,
+    hosted_by_node,
+    plan_shards,
+    shard_actor_name,
+)
 from cua_rollout.runtime.storage import StorageActor
 from cua_rollout.text.web_corpus import WebCorpusServer
 
@@ -312,43 +322,33 @@ def log_to_tracker(cfg: Config, run_dir: Path, uri: str) -> None:
 
 @dataclass
 class Actors:
-    """The run's long-lived actors (handles)."""
+    """The run's long-lived actors (handles); ``pool`` is the desktop pool's shards (None:
+    a run of text tasks)."""
 
     storage: Any
-    pool: Any
+    pool: PoolShards | None
     coordinator: Any
 
 
 def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
                  run_info: dict[str, Any]) -> tuple[Actors, dict[str, Any]]:
-    """Storage and coordinator on this node, the desktop pool on ``desktops.node`` (by
-    default this one too; local desktops start there); runners are started by the
-    coordinator, spread over the cluster. Returns the actors and what the storage repaired
+    """Storage and coordinator on this node; the desktop pool's shards (one per node with
+    CPUs for desktops that run where their pool does, or on ``desktops.node`` alone; by hash
+    on this node for static and Kubernetes desktops); runners are started by the
+    coordinator, placed with the desktops. Returns the actors and what the storage repaired
     in results.jsonl. Ray must be initialised."""
 
 
     node = ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
         ray.get_runtime_context().get_node_id(), soft=False)
-    desktops_node = _desktops_node(cfg) or node
+    # A run of text tasks only (math, py, rag, web) starts no desktops.
+    plans = _plan_shards(cfg) if cfg.tasks.needs_desktops else None
     # Every episode may have a lease, a storage write and a statistics call waiting at once.
     concurrency = 4 * cfg.coordinator.max_concurrent_episodes + 64
     storage = ray.remote(StorageActor).options(
         num_cpus=0, max_concurrency=concurrency, scheduling_strategy=node,
     ).remote(str(run_dir), cfg.storage)
-    # Named, so scripts/desktops.py finds it; a name still held in this cluster (a pool of an
-    # earlier run of the same name not yet collected) gets a suffix the tool also finds.
-    # A run of text tasks only (math, py, rag, web) starts no desktops.
-    pool = None
-    if cfg.tasks.needs_desktops:
-        name = pool_actor_name(cfg.run.name)
-        pool_options = dict(num_cpus=0, max_concurrency=concurrency,
-                            scheduling_strategy=desktops_node)
-        try:
-            pool = ray.remote(DesktopPool).options(name=name, **pool_options).remote(
-                cfg.desktops)
-        except ValueError:  # ray.exceptions.ActorAlreadyExistsError
-            pool = ray.remote(DesktopPool).options(
-                name=f"{name}#{uuid.uuid4().hex[:8]}", **pool_options).remote(cfg.desktops)
+    pool = _start_shards(cfg, plans, concurrency) if plans is not None else None
     # Everything starts at once (start-up time): the storage opens the run directory, the
     # pool starts its desktops, the coordinator its runners (their worker processes and
     # imports), none waiting for another; nothing is submitted before all three are up.
@@ -359,7 +359,8 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
     started = time.monotonic()
     run_started = storage.start_run.remote(run_info,
                                            rerun_infra_errors=cfg.tasks.rerun_infra_errors)
-    desktops_started = pool.start.remote() if pool is not None else None
+    desktops_started = ([(s.name, s.target.start.remote()) for s in pool.shards]
+                        if pool is not None else None)
     runners_started = coordinator.start.remote(prestart=True)
     try:
         repaired = ray.get(run_started, timeout=CALL_TIMEOUT_S)
@@ -367,59 +368,129 @@ def start_actors(cfg: Config, run_dir: Path, model_state_dir: str | None,
         stop_actors(actors, "failed", None)
         raise FatalSetupError(f"the run's storage did not start: {ray_cause(exc)}") from exc
     if desktops_started is not None:
-        try:
-            pool_stats = ray.get(desktops_started, timeout=cfg.desktops.reset_timeout_s
-                                 + cfg.desktops.start_deadline_s * 2)
-        except Exception as exc:
-            stop_actors(actors, "failed", None)
-            raise FatalSetupError(f"desktops did not start: {ray_cause(exc)}") from exc
-        log.info("%d desktops ready in %.1fs", pool_stats["free"], time.monotonic() - started)
+        # Every shard starts at once; each must start some desktops (the same deadline).
+        deadline = time.monotonic() + (cfg.desktops.reset_timeout_s
+                                       + cfg.desktops.start_deadline_s * 2)
+        parts = []
+        for name, shard_started in desktops_started:
+            try:
+                parts.append(ray.get(shard_started,
+                                     timeout=max(1.0, deadline - time.monotonic())))
+            except Exception as exc:
+                stop_actors(actors, "failed", None)
+                where = f" (pool shard {name})" if len(desktops_started) > 1 else ""
+                raise FatalSetupError(f"desktops did not start{where}: "
+                                      f"{ray_cause(exc)}") from exc
+        log.info("%d desktops ready in %.1fs (%d pool shard%s)",
+                 aggregate_stats(parts)["free"], time.monotonic() - started, len(parts),
+                 "" if len(parts) == 1 else "s")
     ray.get(runners_started, timeout=CALL_TIMEOUT_S)
     return actors, repaired
 
 
-def _desktops_node(cfg: Config) -> Any:
-    """The scheduling strategy pinning the desktop pool to ``desktops.node`` (None: unset).
-    Warns when desktops bound to loopback serve a cluster of several nodes."""
+def _nodes() -> list[NodeInfo]:
+    return [NodeInfo(n["NodeID"], n["NodeManagerAddress"],
+                     float((n.get("Resources") or {}).get("CPU", 0)))
+            for n in ray.nodes() if n.get("Alive")]
 
-    alive = [n for n in ray.nodes() if n.get("Alive")]
-    host = {"local": cfg.desktops.local.host,
-            "container": cfg.desktops.container.publish_host}.get(cfg.desktops.provider)
-    if host is not None and is_loopback(host) and len(
-            {n["NodeManagerAddress"] for n in alive}) > 1:
-        log.warning("desktops.provider %s binds %s, but the cluster has nodes at other "
-                    "addresses: their runners cannot reach these desktops (set %s)",
-                    cfg.desktops.provider, host, "desktops.local.host"
-                    if cfg.desktops.provider == "local" else "desktops.container.publish_host")
+
+def _pinned_node(cfg: Config, alive: list[NodeInfo]) -> NodeInfo | None:
+    """The node ``desktops.node`` names (None: unset). Warns when desktops bound to
+    loopback serve runners of other hosts."""
+    host = {"local": cfg.desktops.local.host, "container": cfg.desktops.container.publish_host,
+            "vm": cfg.desktops.vm.bind_host}.get(cfg.desktops.provider)
+    several_hosts = len({n.address for n in alive}) > 1
+    if host is not None and is_loopback(host) and several_hosts:
+        if cfg.desktops.node is not None:
+            log.warning("desktops.provider %s binds %s, but the cluster has nodes at other "
+                        "addresses: their runners cannot reach these desktops (set %s)",
+                        cfg.desktops.provider, host, _BIND_KEY[cfg.desktops.provider])
+        else:
+            log.warning("desktops.provider %s binds %s: each host's runners lease only the "
+                        "desktops of their own host's pool shards (set %s to lend across "
+                        "hosts)", cfg.desktops.provider, host, _BIND_KEY[cfg.desktops.provider])
     wanted = cfg.desktops.node
     if wanted is None:
         return None
     for n in alive:
-        if wanted in (n["NodeID"], n["NodeManagerAddress"]):
-            return ray.util.scheduling_strategies.NodeAffinitySchedulingStrategy(
-                n["NodeID"], soft=False)
-    nodes = ", ".join(f"{n['NodeManagerAddress']} ({n['NodeID'][:12]})" for n in alive)
+        if wanted in (n.node_id, n.address):
+            return n
+    nodes = ", ".join(f"{n.address} ({n.node_id[:12]})" for n in alive)
     raise FatalSetupError(f"desktops.node {wanted!r} is not a live node of this cluster "
                           f"(live: {nodes})")
+
+
+_BIND_KEY = {"local": "desktops.local.host", "container": "desktops.container.publish_host",
+             "vm": "desktops.vm.bind_host"}
+
+
+def _plan_shards(cfg: Config) -> list[ShardPlan]:
+    """Where the desktop pool's shards go (``plan_shards``) on the live nodes."""
+    alive = _nodes()
+    here = ray.get_runtime_context().get_node_id()
+    home = next((n for n in alive if n.node_id == here), None) or NodeInfo(here, "", 0.0)
+    try:
+        plans = plan_shards(cfg.desktops, alive, home=home, pinned=_pinned_node(cfg, alive))
+    except DesktopError as exc:
+        raise FatalSetupError(str(exc)) from exc
+    if len(plans) > 1:
+        log.info("desktop pool: %d shards (%s)", len(plans), ", ".join(
+            f"{p.name}: {p.desktops}" for p in plans))
+    return plans
+
+
+def _start_shards(cfg: Config, plans: list[ShardPlan], concurrency: int) -> PoolShards:
+    """The desktop pool's shard actors, each pinned to its node and named so
+    scripts/desktops.py finds them: ``desktops:<run>`` for a run's only shard,
+    ``desktops:<run>/<shard>`` for each of several; a name still held in this cluster (an
+    earlier run's pool not yet collected) gets a suffix the tool also finds."""
+    base = pool_actor_name(cfg.run.name)
+    held = {n.split("/", 1)[0] for n in ray.util.list_named_actors()}
+    if base in held:
+        base = f"{base}#{uuid.uuid4().hex[:8]}"
+    shards = []
+    for plan in plans:
+        shards.append(Shard(plan.name, _shard_actor(cfg, plan, concurrency,
+                                                    shard_actor_name(base, plan.name,
+                                                                     len(plans))),
+                            plan.node.node_id, plan.host, plan.desktops))
+    return PoolShards(tuple(shards), by_node=hosted_by_node(cfg.desktops))
+
+
+def _shard_actor(cfg: Config, plan: ShardPlan, concurrency: int, name: str) -> Any:
+    options = dict(num_cpus=0, max_concurrency=concurrency,
+                   scheduling_strategy=ray.util.scheduling_strategies.
+                   NodeAffinitySchedulingStrategy(plan.node.node_id, soft=False))
+    try:
+        return ray.remote(DesktopPool).options(name=name, **options).remote(
+            cfg.desktops, None, plan.share)
+    except ValueError:  # ray.exceptions.ActorAlreadyExistsError: taken since we looked
+        base, _, shard = name.partition("/")
+        name = f"{base}#{uuid.uuid4().hex[:8]}" + (f"/{shard}" if shard else "")
+        return ray.remote(DesktopPool).options(name=name, **options).remote(
+            cfg.desktops, None, plan.share)
 
 
 def stop_actors(actors: Actors, status: str, summary: dict[str, Any] | None) -> None:
     """Runners first, then the desktops, then the storage is flushed and run.json closed;
     each step runs even when an earlier one fails."""
 
-    steps: list[tuple[str, Any, float]] = []
     if actors.coordinator is not None:
-        steps.append(("stopping the runners", actors.coordinator.shutdown, CALL_TIMEOUT_S))
-    if actors.pool is not None:
-        steps.append(("stopping the desktops", actors.pool.stop, CALL_TIMEOUT_S + 60))
-    for what, method, timeout_s in steps:
         try:
-            ray.get(method.remote(), timeout=timeout_s)
+            ray.get(actors.coordinator.shutdown.remote(), timeout=CALL_TIMEOUT_S)
         except Exception as exc:  # the run's files must still be closed
-            log.error("%s failed: %s", what, ray_cause(exc))
+            log.error("stopping the runners failed: %s", ray_cause(exc))
     if actors.pool is not None:
-        with contextlib.suppress(Exception):  # its desktops are stopped: free its name now
-            ray.kill(actors.pool, no_restart=True)
+        stops = [(s, s.target.stop.remote()) for s in actors.pool.shards]
+        for shard, stopped in stops:  # every shard at once, each waited for
+            try:
+                ray.get(stopped, timeout=CALL_TIMEOUT_S + 60)
+            except Exception as exc:
+                log.error("stopping the desktops of pool shard %s failed: %s",
+                          shard.name or "-", ray_cause(exc))
+        for shard in actors.pool.shards:
+            with contextlib.suppress(Exception):  # its desktops are stopped: free its name
+                ray.kill(shard.target, no_restart=True)
     try:
         ray.get(actors.storage.end_run.remote(status, summary), timeout=CALL_TIMEOUT_S)
         ray.get(actors.storage.close.remote(), timeout=CALL_TIMEOUT_S)

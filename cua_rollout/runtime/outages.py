@@ -16,7 +16,7 @@ from cua_rollout.config import Config
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import one_line
 from cua_rollout.model.client import ModelServicePool
-from cua_rollout.runtime.actors import PoolClient
+from cua_rollout.runtime.pool_shards import ShardedPool
 
 __all__ = ["Breaker", "Breakers"]
 
@@ -50,7 +50,7 @@ class Breakers:
     coordinator's tasks); ``on_back`` is called when a side is back, ``on_give_up`` with the
     reason the run stops."""
 
-    def __init__(self, cfg: Config, pool: PoolClient | None, model_state_dir: str | None, *,
+    def __init__(self, cfg: Config, pool: ShardedPool | None, model_state_dir: str | None, *,
                  spawn: Callable[[Coroutine[Any, Any, Any]], Any],
                  on_back: Callable[[], None], on_give_up: Callable[[str], None]) -> None:
         self.cfg = cfg

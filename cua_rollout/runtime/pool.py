@@ -6,11 +6,12 @@ job (``cua_rollout.envs.providers``); the pool knows none of them by name."""
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,7 +25,7 @@ from cua_rollout.envs.providers.base import Desktop, DesktopProvider
 from cua_rollout.envs.verify import DesktopVerifier
 from cua_rollout.runtime.utilization import StateClock
 
-__all__ = ["DesktopPool", "Lease", "pool_actor_name"]
+__all__ = ["DesktopPool", "Lease", "Share", "pool_actor_name"]
 
 log = logging.getLogger(__name__)
 
@@ -43,21 +44,53 @@ _RESET_WINDOW = 1000
 
 
 def pool_actor_name(run_name: str) -> str:
-    """The Ray actor name of a run's desktop pool (in the run's namespace): how
-    ``scripts/desktops.py`` finds a live run's desktops."""
+    """The Ray actor name of a run's desktop pool (in the run's namespace), and the prefix
+    of its shards' names (``pool_shards.shard_actor_name``): how ``scripts/desktops.py``
+    finds a live run's desktops."""
     return f"desktops:{run_name}"
 
 
 @dataclass(frozen=True)
 class Lease:
-    """A desktop lent to ``owner`` until ``deadline`` (``time.time()`` seconds)."""
+    """A desktop lent to ``owner`` until ``deadline`` (``time.time()`` seconds), by the
+    pool shard named ``shard`` (its release goes back there)."""
 
     lease_id: str
     desktop_id: str
     url: str
     owner: str
     deadline: float
+    shard: str = ""
 
+
+@dataclass(frozen=True)
+class Share:
+    """One pool's part of a run's desktops when the pool is one shard of several
+    (``cua_rollout/runtime/pool_shards.py`` plans them): its name, the provider indices of
+    the desktops it starts first (disjoint from every other shard's), and where the indices
+    of its later desktops (replacements) go on: ``then``, ``then + stride``, ... (also
+    disjoint: a desktop's id is unique in the run). Without a share a pool is the run's only
+    one: ``count + warm_spares`` desktops from index 0."""
+
+    name: str
+    indices: tuple[int, ...]
+    then: int
+    stride: int = 1
+
+    def __post_init__(self) -> None:
+        if self.stride < 1 or len(set(self.indices)) != len(self.indices):
+            raise ValueError(f"shard {self.name}: indices must be distinct and stride >= 1")
+
+    @classmethod
+    def whole(cls, cfg: DesktopsConfig, name: str = "") -> Share:
+        """The share of a run's only pool: every desktop."""
+        size = cfg.count + cfg.warm_spares
+        return cls(name, tuple(range(size)), size, 1)
+
+    def index_order(self) -> Iterator[int]:
+        """The provider indices of this shard's desktops, in the order they are started."""
+        yield from self.indices
+        yield from itertools.count(self.then, self.stride)
 
 
 
@@ -72,17 +105,21 @@ class DesktopPool:
     Kubernetes) or re-checked later (static). Leases past ``lease_max_s`` are reclaimed.
     """
 
-    def __init__(self, cfg: DesktopsConfig, provider: DesktopProvider | None = None) -> None:
+    def __init__(self, cfg: DesktopsConfig, provider: DesktopProvider | None = None,
+                 share: Share | None = None) -> None:
         self.cfg = cfg
         self.provider = provider or make_provider(cfg)
+        self.share = share or Share.whole(cfg)
         self._desktops: dict[str, Desktop] = {}
         self.state_clock = StateClock()             # desktop-seconds per state
         self._free: list[str] = []                 # desktop ids, oldest ready first
+        # Each waiting lease's future, with its owner (``withdraw`` ends an owner's waits).
         self._waiters: list[asyncio.Future[str]] = []
+        self._waiting_owner: dict[asyncio.Future[str], str] = {}
         self._leases: dict[str, Lease] = {}
         self._tasks = TaskSet()
         self._housekeeper: asyncio.Task[Any] | None = None
-        self._next_index = 0
+        self._indices = self.share.index_order()
         self._started = False
         self._stopping = False
         # Desktops missing from the target (a start or a replacement failed): started again
@@ -93,7 +130,7 @@ class DesktopPool:
         self.last_start_error: str | None = None
         self.counters = {"leases": 0, "releases": 0, "resets": 0, "reset_failures": 0,
                          "verify_failures": 0, "quarantined": 0, "replaced": 0,
-                         "reclaimed": 0, "lease_timeouts": 0}
+                         "reclaimed": 0, "lease_timeouts": 0, "withdrawn": 0}
         # After every reset, before a desktop is lent again: is it back in its first state?
         self.verifier = (DesktopVerifier(cfg)
                          if cfg.verify.enabled and self.provider.verify_resets else None)
@@ -102,11 +139,18 @@ class DesktopPool:
         # Owners (prefixes) whose leases were given back for them: an episode cancelled or a
         # runner declared dead. A lease call of theirs still in transit must not be granted.
         self._revoked: dict[str, float] = {}
+        # Owners (exact) that withdrew from this shard: their lease calls in transit too.
+        self._withdrawn: dict[str, float] = {}
 
     # ----------------------------------------------------------------- lifecycle
 
+    @property
+    def name(self) -> str:
+        """This shard's name (empty for a run's only pool): leases and rows carry it."""
+        return self.share.name
+
     def target_size(self) -> int:
-        want = self.cfg.count + self.cfg.warm_spares
+        want = len(self.share.indices)
         cap = self.provider.capacity()
         return want if cap is None else min(want, cap)
 
@@ -158,23 +202,29 @@ class DesktopPool:
     async def lease(
         self, owner: str, timeout_s: float | None = None, avoid: Iterable[str] = ()
     ) -> Lease:
-        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``.
-        Desktops in ``avoid`` (where an earlier attempt failed) are handed out only when no
-        other one is free."""
+        """A free desktop for ``owner``; ``DesktopUnavailable`` after ``timeout_s``
+        (``0``: only one free now, and not counted as a lease timeout: the shard router's
+        first ask). Desktops in ``avoid`` (where an earlier attempt failed) are handed out
+        only when no other one is free."""
         if self._stopping:
             raise DesktopUnavailable("the desktop pool is stopping")
         if self._is_revoked(owner):
             raise DesktopUnavailable(f"{owner} was released before its lease arrived")
         wait_s = self.cfg.lease_timeout_s if timeout_s is None else timeout_s
         desktop_id = self._take_free(frozenset(avoid))
+        if desktop_id is None and wait_s <= 0:
+            raise DesktopUnavailable(f"no desktop free now in {self._label()} "
+                                     f"({self._summary()})")
         if desktop_id is None:
             waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()
             self._waiters.append(waiter)
+            self._waiting_owner[waiter] = owner
             try:
                 # shield: a timeout must not lose a desktop handed over at the same moment.
                 desktop_id = await asyncio.wait_for(asyncio.shield(waiter), wait_s)
             except (TimeoutError, asyncio.CancelledError) as exc:
-                handed = waiter.result() if waiter.done() and not waiter.cancelled() else None
+                handed = (waiter.result() if waiter.done() and not waiter.cancelled()
+                          and waiter.exception() is None else None)
                 waiter.cancel()
                 if isinstance(exc, asyncio.CancelledError):
                     if handed is not None:
@@ -187,6 +237,7 @@ class DesktopPool:
                     ) from None
                 desktop_id = handed
             finally:
+                self._waiting_owner.pop(waiter, None)
                 if waiter in self._waiters:
                     self._waiters.remove(waiter)
         if self._is_revoked(owner):  # revoked while it waited: the desktop goes to the next one
@@ -196,10 +247,30 @@ class DesktopPool:
         self._set_state(desktop, "leased")
         desktop.leases += 1
         lease = Lease(uuid.uuid4().hex, desktop.id, desktop.url, owner,
-                      time.time() + self.cfg.lease_max_s)
+                      time.time() + self.cfg.lease_max_s, self.name)
         self._leases[lease.lease_id] = lease
         self.counters["leases"] += 1
         return lease
+
+    async def withdraw(self, owner: str) -> int:
+        """``owner`` no longer wants a desktop from this shard (it got one from another):
+        its waits end now, a lease of its that was granted meanwhile goes back to the free
+        desktops without a reset (it was never used), and a lease call of its still in
+        transit is refused. Returns how many leases went back."""
+        self._revoke(owner, exact=True)
+        for waiter, who in list(self._waiting_owner.items()):
+            if who == owner and not waiter.done():
+                waiter.set_exception(DesktopUnavailable(f"{owner} withdrew its lease"))
+        ids = [i for i, lease in self._leases.items() if lease.owner == owner]
+        for lease_id in ids:
+            lease = self._leases.pop(lease_id)
+            # Never used: not a lease in the counts, and no reset before the next one.
+            self.counters["leases"] -= 1
+            self.counters["withdrawn"] += 1
+            desktop = self._desktops[lease.desktop_id]
+            desktop.leases -= 1
+            self._make_free(desktop.id)
+        return len(ids)
 
     async def release(self, lease_id: str, healthy: bool = True) -> None:
         """Give a desktop back; it is reset in the background before anyone else gets it."""
@@ -219,9 +290,7 @@ class DesktopPool:
         runner that died, of an episode that stopped waiting for its lease); returns how
         many. Until its own lease could still arrive, that owner is refused any new lease,
         so a call in transit never lends a desktop to nobody."""
-        now = time.monotonic()
-        self._revoked = {p: t for p, t in self._revoked.items() if t > now}
-        self._revoked[owner_prefix] = now + 2 * self.cfg.lease_timeout_s + 60
+        self._revoke(owner_prefix)
         ids = [i for i, lease in self._leases.items() if lease.owner.startswith(owner_prefix)]
         for lease_id in ids:
             await self.release(lease_id, healthy)
@@ -237,6 +306,7 @@ class DesktopPool:
                     for s in ("starting", "free", "leased", "resetting", "quarantined")}
         resets = sorted(self.reset_durations_s)  # bounded windows (_RESET_WINDOW)
         stats = {
+            "shard": self.name,
             **by_state,
             "state_s": {k: round(v, 3) for k, v in self.state_clock.totals().items()},
             "waiting": len(self._waiters),
@@ -268,7 +338,7 @@ class DesktopPool:
         for d in self._desktops.values():
             lease = held.get(d.id)
             rows.append({
-                "id": d.id, "url": redact_url(d.url), "state": d.state,
+                "id": d.id, "shard": self.name, "url": redact_url(d.url), "state": d.state,
                 "owner": lease.owner if lease else None,
                 "lease_id": lease.lease_id if lease else None,
                 "lease_age_s": (round(now - (lease.deadline - self.cfg.lease_max_s), 1)
@@ -322,7 +392,24 @@ class DesktopPool:
 
     # ----------------------------------------------------------------- internals
 
+    def _revoke(self, owner_prefix: str, exact: bool = False) -> None:
+        """Refuse leases to owners starting with ``owner_prefix`` (``exact``: to that owner
+        only) for as long as a lease call of theirs could still be in transit."""
+        now = time.monotonic()
+        until = now + 2 * self.cfg.lease_timeout_s + 60
+        if exact:
+            self._withdrawn = {p: t for p, t in self._withdrawn.items() if t > now}
+            self._withdrawn[owner_prefix] = until
+            return
+        self._revoked = {p: t for p, t in self._revoked.items() if t > now}
+        self._revoked[owner_prefix] = until
+
+    def _label(self) -> str:
+        return f"shard {self.name}" if self.name else "the pool"
+
     def _is_revoked(self, owner: str) -> bool:
+        if self._withdrawn.get(owner, 0.0) > time.monotonic():
+            return True
         if not self._revoked:
             return False
         now = time.monotonic()
@@ -364,8 +451,7 @@ class DesktopPool:
         return self._tasks.spawn(coro)
 
     async def _start_one(self) -> Desktop:
-        index = self._next_index
-        self._next_index += 1
+        index = next(self._indices)
         desktop = await self.provider.start(index)
         if self.verifier is not None:
             try:  # fresh from the provider: the state every reset must return to

@@ -26,6 +26,7 @@ from cua_rollout.model.client import ModelServicePool
 from cua_rollout.runtime.desktop_episode import DesktopEpisode, open_leased_desktop
 from cua_rollout.runtime.episode import EnvFactory, episode_deadline_s
 from cua_rollout.runtime.monitoring import Metrics
+from cua_rollout.runtime.pool_shards import ShardedPool
 from cua_rollout.runtime.storage import StepFiles
 from cua_rollout.runtime.text_episode import TextEpisode
 from cua_rollout.runtime.utilization import StateClock
@@ -59,7 +60,7 @@ class TrajectoryRunner:
         text_env_factory: Callable[[dict[str, Any], str], Any] | None = None,
     ) -> None:
         self.cfg = cfg
-        self.desktop_pool = desktop_pool
+        self.desktop_pool = ShardedPool(desktop_pool) if desktop_pool is not None else None
         self.storage = storage
         self.runner_id = runner_id
         self.model_state_dir = model_state_dir

@@ -135,7 +135,8 @@ def test_a_killed_desktop_server_is_an_infra_error_retried_on_another_desktop(lo
             ray.get(actors.coordinator.submit.remote(loader.poll()))
 
             def leased() -> dict[str, Any] | None:
-                stats = ray.get(actors.pool.stats.remote(detail=True))
+                [shard] = actors.pool.shards  # one node: one pool shard, as before shards
+                stats = ray.get(shard.target.stats.remote(detail=True))
                 busy = [d for d in stats["desktops"] if d["state"] == "leased"]
                 steps = ray.get(actors.coordinator.stats.remote()).get("steps", 0)
                 return busy[0] if busy and steps >= 1 else None
@@ -146,7 +147,7 @@ def test_a_killed_desktop_server_is_an_infra_error_retried_on_another_desktop(lo
                         if c.laddr and c.laddr.port == port and c.status == psutil.CONN_LISTEN]
             psutil.Process(server).kill()  # the desktop's own server: started by this test
             _wait(actors)
-            pool = ray.get(actors.pool.stats.remote())
+            pool = ray.get(actors.pool.shards[0].target.stats.remote())
     [result] = _results(cfg)
     assert result["status"] == "success" and result["attempt"] == 1
     assert result["desktops_tried"][0] == desktop["id"]

@@ -91,6 +91,7 @@ desktops:
   provider: static
   apps: [chrome, vs_code]
   node: 10.0.0.9
+  shards: 2
   count: 3
   warm_spares: 0
   screen_width: 1280
@@ -188,6 +189,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.desktops.container.memory == "3g" and cfg.desktops.container.runtime == "runc"
     assert cfg.model_pool.max_model_len == 16384 and cfg.model_pool.control_port == 8099
     assert cfg.desktops.node == "10.0.0.9" and cfg.desktops.local.host == "10.0.0.9"
+    assert cfg.desktops.shards == 2
     assert cfg.model_pool.vlm_cpu_site == Path("/opt/vlm-site")
     assert cfg.desktops.apps == ["chrome", "vs_code"]
     assert cfg.desktops.provider == "static" and cfg.desktops.static.reset_command == [
