@@ -55,6 +55,7 @@ model:
   routing: least_outstanding
   sticky_max_extra_outstanding: 2
   max_connections_per_endpoint: 64
+  images: inline   # file needs step files by the runners (below: storage)
   endpoint_failures_to_eject: 5
   reprobe_interval_s: 3
 model_pool:
