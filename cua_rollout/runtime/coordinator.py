@@ -111,7 +111,9 @@ class AgentCoordinator:
         self._breakers = Breakers(cfg, self._pool, model_state_dir, spawn=self._spawn,
                                   on_back=self._changed, on_give_up=self._stop)
         self._fatal: str | None = None    # why the run must stop; handed to the driver
-        self.runner_factory: Any = None   # in-process runners (tests): cfg, pool, ... -> runner
+        # Runners of tests and benchmarks: (cfg, pool, storage, runner id, state dir) -> a
+        # runner, a local object or (use_ray) an actor handle the factory made.
+        self.runner_factory: Any = None
 
     # ----------------------------------------------------------------- public surface
 
@@ -285,7 +287,9 @@ class AgentCoordinator:
     def _new_runner(self) -> _Runner:
         runner_id = f"runner-{next(self._runner_ids)}"
         args = (self.cfg, self.desktop_pool, self.storage, runner_id, self.model_state_dir)
-        if self.use_ray:
+        if self.runner_factory is not None:
+            handle = self.runner_factory(*args)
+        elif self.use_ray:
             import ray
 
             handle = ray.remote(TrajectoryRunner).options(
@@ -296,7 +300,7 @@ class AgentCoordinator:
                 max_restarts=0,
             ).remote(*args)
         else:
-            handle = (self.runner_factory or TrajectoryRunner)(*args)
+            handle = TrajectoryRunner(*args)
         runner = _Runner(runner_id, handle, RunnerClient(handle))
         self._runners.append(runner)
         self.counters["runners_started"] += 1
