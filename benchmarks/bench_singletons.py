@@ -16,15 +16,20 @@ time; the rate is what it completed in that window, counted by the component its
 event loop, so one core is its ceiling; on this 2-core machine, shared with its stubs and
 Ray, it is rarely saturated, hence the ratio rather than a rate reached. Costs that do not
 grow with the rate (statistics loops, housekeeping, the driver's polls) are counted in,
-so the figure is a lower bound. ``idle`` is the same process's CPU with everything in
-flight and nothing finishing (given for the coordinator and the pool).
+so the figure is a lower bound. Details per row: ``idle_cpu_fraction``, the same
+process's CPU with everything in flight and nothing finishing; ``stub_runners_cpu``, what
+the stub runner processes used meanwhile (when they are near a core, they, not the
+component, set the rate); ``system_share``, the kernel's part of the CPU; ``threads``, the
+busiest threads by name (Ray's ``worker.io``, ``server.poll0`` ...).
 
 Two figures per Ray component: ``Ray actor``, its primary figure: the class as a Ray actor
 (``num_cpus=0``, max_concurrency as ``launch.start_actors`` sets it) in a local Ray
 (``num_cpus=2``), called by stub runner processes (two ``BenchRunner`` actors, a
 ``TrajectoryRunner`` whose episodes are stand-ins) as runners call it; and ``in-process``:
 the same class, stubs and driver in this one process without Ray (its CPU includes the
-stubs', which are small), so the difference is what Ray costs.
+stubs', which are small), so the difference is what Ray costs. For scale, the CPU a Ray
+call costs its callee is measured too (``ray_noop_call``: an async actor's method that
+does nothing, called by the two stub runner processes with a ~0.8 KB record).
 
 1. coordinator (episodes): the real ``AgentCoordinator`` with ``--desktops`` episodes in
    flight, ``episodes_per_runner`` 64, so ``desktops / 64`` runners, each a handle on one of
@@ -219,15 +224,19 @@ class Row:
         return {
             "component": self.component, "how": self.how, "unit": self.unit,
             "units": self.units, "window_s": round(self.window_s, 3),
-            "cpu_s": round(self.cpu_s, 5),
+            "cpu_s": _significant(self.cpu_s, 6),
             "rate_per_s": round(self.rate_per_s, 1),
-            "cpu_fraction": round(self.cpu_fraction, 3),
-            "cpu_ms_per_unit": round(self.cpu_ms_per_unit, 4),
+            "cpu_fraction": _significant(self.cpu_fraction, 4),
+            "cpu_ms_per_unit": _significant(self.cpu_ms_per_unit, 4),
             "max_per_s": round(self.max_per_s, 1),
             "desktops": {f"at_{t:.1f}s": round(self.desktops_at(t)) for t in STEP_TIMES_S},
             "meets_target": self.meets_target,
             "detail": self.detail,
         }
+
+
+def _significant(value: float, digits: int) -> float:
+    return float(f"{value:.{digits}g}")
 
 
 def _row(component: str, how: str, unit: str, units: int, window_s: float, cpu_s: float,
