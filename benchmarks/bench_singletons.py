@@ -5,7 +5,8 @@ requests) per second one core carries, the CPU each costs, and the desktops that
 4.8 s and at 2.0 s a step, against the issue's target: none fills a core below 10,000
 desktops at a 2 s step (5,000 steps/s, ~500 episodes/s).
 
-    python benchmarks/bench_singletons.py [--quick] [--json] [--only coordinator pool ...]
+    python benchmarks/bench_singletons.py [--quick] [--json] [--out FILE.json]
+        [--only coordinator pool storage loader endpoints] [--no-in-process]
         [--desktops 10000] [--episodes-per-s 1000] [--window-s 15]
 
 Method. Each component is the real class, driven as a run drives it, with what it talks to
@@ -36,9 +37,10 @@ does nothing, called by the two stub runner processes with a ~0.8 KB record).
    the two stub runner processes (its statistics fan-out is the real one's); the pool and the
    storage are one stub answering at once. Each stub episode lasts a random time (uniform,
    mean ``desktops / episodes-per-s``), so the offered rate is ``--episodes-per-s``. The
-   driver loop is run.py's: a poll every 0.5 s, each finished episode replaced by a new
-   one (``submit``). Also: the CPU and wall time of one ``poll()`` with every episode in
-   flight (``polls`` back to back: 200, 500 in the full run).
+   driver loop is run.py's: a poll every 0.5 s, new episodes submitted for those that
+   ended (the queue kept at 4 s of the offered rate). Also: the CPU and wall time of one
+   ``poll()`` with every episode in flight (``polls`` back to back: 200, 500 in the full
+   run), and the wall time of the driver's polls under load.
 2. desktop pool (episodes: a lease and a release, the reset in the background): a real
    ``DesktopPool`` of ``--desktops`` desktops plus spares from a provider whose resets are
    instant (``tests.doubles.FakeProvider``, reset verification off); every desktop leased by
@@ -645,6 +647,7 @@ async def _coordinator(world: _World) -> Row:
     task = _task()
     numbers = itertools.count()
     polls: list[float] = []
+    asks: list[float] = []  # stats() right after each poll: a call with a small answer
 
     def specs(n: int) -> list[EpisodeSpec]:
         return [EpisodeSpec(f"t{next(numbers)}", "bench", 0, task) for _ in range(n)]
@@ -652,15 +655,23 @@ async def _coordinator(world: _World) -> Row:
     async def stats() -> dict[str, Any]:
         return await send(target.stats)
 
+    # Queued beyond the episodes in flight: what 4 s at the offered rate take, so that a
+    # slow poll does not leave slots empty (the loader hands out a whole group at a time).
+    queue = max(s.desktops // 4, round(4 * s.episodes_per_s))
+
     async def driver() -> None:
-        """run.py's loop: poll every 0.5 s, replace each finished episode by a new one."""
-        await client.submit(specs(s.desktops + s.desktops // 4))
+        """run.py's loop: poll every 0.5 s, hand out new episodes for those that ended."""
+        await client.submit(specs(s.desktops + queue))
         while True:
             t0 = time.perf_counter()
             out = await client.poll()
             polls.append(time.perf_counter() - t0)
-            if out["finished"]:
-                await client.submit(specs(len(out["finished"])))
+            t0 = time.perf_counter()
+            await stats()
+            asks.append(time.perf_counter() - t0)
+            short = queue - int(out["stats"]["episodes_queued"])
+            if out["finished"] or short > 0:
+                await client.submit(specs(max(len(out["finished"]), short)))
             await asyncio.sleep(DRIVER_POLL_S)
 
     async def done() -> int:
@@ -679,6 +690,7 @@ async def _coordinator(world: _World) -> Row:
         await world.on_runners("hold", s.desktops / s.episodes_per_s)
         await asyncio.sleep(s.warmup_s)
         polls.clear()
+        asks.clear()
         run = await _window(cpu, done, s.window_s, world.runner_cpus())
         last = await stats()
     finally:
@@ -693,6 +705,8 @@ async def _coordinator(world: _World) -> Row:
                 poll_wall_ms=round(1000 * burst_wall / s.polls, 3),
                 driver_poll_wall_ms_p50=round(1000 * statistics.median(polls), 3)
                 if polls else None,
+                driver_stats_wall_ms_p50=round(1000 * statistics.median(asks), 3)
+                if asks else None,
                 stub_runners_cpu=run.others, system_share=run.system, threads=run.threads)
 
 
@@ -1059,6 +1073,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="a CI-sized run (< 60 s)")
     parser.add_argument("--json", action="store_true", help="print JSON only")
+    parser.add_argument("--out", type=Path, help="also write the JSON to this file")
     parser.add_argument("--only", nargs="+", choices=COMPONENTS, default=list(COMPONENTS))
     parser.add_argument("--desktops", type=int, help="episodes in flight, desktops leased")
     parser.add_argument("--episodes-per-s", type=float, help="the rate offered")
@@ -1110,6 +1125,8 @@ def main(argv: list[str] | None = None) -> int:
         "rows": [r.as_dict() for r in rows],
         "ray_noop_call": ray_call or None,
     }
+    if args.out is not None:
+        args.out.write_text(json.dumps(out, indent=2) + "\n", encoding="utf-8")
     if args.json:
         print(json.dumps(out, indent=2))
     else:
