@@ -79,14 +79,50 @@ def _result(task_id: str, domain: str, rollout: int, pass_index: int, size: int,
             "pass_index": pass_index, "group_size": size}
 
 
+def example_result(task_id: str, domain: str, rollout: int, *, attempt: int = 0,
+                   pass_index: int = 0, group_size: int | None = None,
+                   status: str = "success", reward: float | None = 1.0,
+                   started_at: float = 1.7e9) -> EpisodeResult:
+    """An episode's result as a runner returns it, with the fields a real one fills (its
+    results.jsonl line is ~0.8 KB): what the benchmarks of the central components write,
+    record and send."""
+    return EpisodeResult(
+        f"{domain}/{task_id}/{rollout}", task_id, domain, rollout, attempt, status, reward, 12,
+        started_at, started_at + 48.0,
+        instruction="benchmark task: open the file in the editor and change the first line",
+        model_version="ckpt-00012", model_endpoints=["http://10.0.3.17:8000/v1"],
+        first_model_version="ckpt-00012", model_versions=["ckpt-00012"],
+        pass_index=pass_index, group_id=f"{domain}/{task_id}/pass-{pass_index}",
+        group_size=group_size,
+        desktop="cua-r0123456789ab-17-9f3c", desktops_tried=["cua-r0123456789ab-17-9f3c"],
+        last_action="pyautogui.hotkey('ctrl', 's')", runner="runner-3", node="10.0.3.4",
+        timing={"model_s": 21.4, "action_s": 9.7, "screenshot_s": 3.1, "pause_s": 10.0,
+                "reset_s": 2.2, "evaluate_s": 1.5},
+    )
+
+
 # --------------------------------------------------------------------------- iteration
 
 
 def _iteration(args: argparse.Namespace, size: int, work: Path) -> dict[str, Any]:
+    base_rss = _rss_mb()
+    loader, outstanding, fill_s = fill_loader(size, work, args.tasks, args.rollouts)
+    rss = _rss_mb()
+    timed = time_iterations(loader, outstanding, args.batch, args.iterations)
+    return {"size": size, "fill_s": round(fill_s, 2),
+            **{k: _ms(v) for k, v in timed.items()},
+            "rss_mb": round(rss, 1), "loader_mb": round(rss - base_rss, 1)}
+
+
+def fill_loader(size: int, work: Path, tasks: int, rollouts: int
+                ) -> tuple[Any, list[Any], float]:
+    """A loader in service mode (``tasks`` tasks of ``rollouts`` rollouts a pass, the task
+    file written into ``work``) that has handed out and recorded ``size`` episodes, whole
+    passes; with what it handed out and is not recorded yet, and the seconds the filling
+    took."""
     from cua_rollout.runtime.loader import TaskLoader
 
-    cfg = _tasks_cfg(_write_tasks(work / "tasks.jsonl", args.tasks), args.rollouts)
-    base_rss = _rss_mb()
+    cfg = _tasks_cfg(_write_tasks(work / "tasks.jsonl", tasks), rollouts)
     loader = TaskLoader(cfg, work / "run")
     outstanding: list[Any] = []
     recorded = 0
@@ -96,27 +132,33 @@ def _iteration(args: argparse.Namespace, size: int, work: Path) -> dict[str, Any
             outstanding = loader.poll(refresh=False)
         take = min(len(outstanding), size - recorded)
         for spec in outstanding[:take]:
-            loader.record_result(_result(spec.task_id, spec.domain, spec.rollout,
-                                         spec.pass_index, spec.group_size or 0, "success"))
+            loader.record_result(_spec_result(spec))
         outstanding = outstanding[take:]
         recorded += take
     fill_s = time.perf_counter() - t0
     loader.total_known()
-    rss = _rss_mb()
-    # The driver's loop: results arrive, the loader hears of them, hands out what they
-    # made possible, and the progress line asks for the total.
+    return loader, outstanding, fill_s
+
+
+def time_iterations(loader: Any, outstanding: list[Any], batch: int, iterations: int
+                    ) -> dict[str, list[float]]:
+    """The driver's loop (cua_rollout/runtime/driver.py) ``iterations`` times: ``batch``
+    results arrive, the loader hears of them (``record_result``), hands out what they made
+    possible (``poll``) and the progress line asks for the total (``total_known``). Seconds
+    per iteration of each (``record_batch``, ``poll``, ``total_known``) and of the whole
+    (``iteration``). ``outstanding`` (handed out, not recorded) is used and refilled."""
     iters: list[float] = []
     polls: list[float] = []
     totals: list[float] = []
     records: list[float] = []
-    for _ in range(args.iterations):
-        if len(outstanding) < args.batch:
+    for _ in range(iterations):
+        if len(outstanding) < batch:
             outstanding.extend(loader.poll(refresh=False))
-        batch, outstanding = outstanding[:args.batch], outstanding[args.batch:]
+        now, rest = outstanding[:batch], outstanding[batch:]
+        outstanding[:] = rest
         t0 = time.perf_counter()
-        for spec in batch:
-            loader.record_result(_result(spec.task_id, spec.domain, spec.rollout,
-                                         spec.pass_index, spec.group_size or 0, "success"))
+        for spec in now:
+            loader.record_result(_spec_result(spec))
         t1 = time.perf_counter()
         outstanding.extend(loader.poll(refresh=False))
         t2 = time.perf_counter()
@@ -126,10 +168,13 @@ def _iteration(args: argparse.Namespace, size: int, work: Path) -> dict[str, Any
         polls.append(t2 - t1)
         totals.append(t3 - t2)
         iters.append(t3 - t0)
-    return {"size": size, "fill_s": round(fill_s, 2),
-            "iteration_ms": _ms(iters), "record_batch_ms": _ms(records),
-            "poll_ms": _ms(polls), "total_known_ms": _ms(totals),
-            "rss_mb": round(rss, 1), "loader_mb": round(rss - base_rss, 1)}
+    return {"iteration_ms": iters, "record_batch_ms": records, "poll_ms": polls,
+            "total_known_ms": totals}
+
+
+def _spec_result(spec: Any) -> dict[str, Any]:
+    return _result(spec.task_id, spec.domain, spec.rollout, spec.pass_index,
+                   spec.group_size or 0, "success")
 
 
 def _ms(values: list[float]) -> dict[str, float]:
@@ -145,16 +190,7 @@ def _write_results(path: Path, size: int, tasks: int, rollouts: int) -> int:
     """``size`` result lines of a service run, pass after pass (the last one partial), as
     the coordinator writes them; a few infra errors, cancelled lines with their reruns later
     in the file, and a last line cut short. Returns the bytes written."""
-    template = EpisodeResult(
-        "d0/t0000/0", "t0000", "d0", 0, 0, "success", 1.0, 12, 1.7e9, 1.7e9 + 48.0,
-        instruction="benchmark task: open the file in the editor and change the first line",
-        model_version="ckpt-00012", model_endpoints=["http://10.0.3.17:8000/v1"],
-        first_model_version="ckpt-00012", model_versions=["ckpt-00012"],
-        desktop="cua-r0123456789ab-17-9f3c", desktops_tried=["cua-r0123456789ab-17-9f3c"],
-        last_action="pyautogui.hotkey('ctrl', 's')", runner="runner-3", node="10.0.3.4",
-        timing={"model_s": 21.4, "action_s": 9.7, "screenshot_s": 3.1, "pause_s": 10.0,
-                "reset_s": 2.2, "evaluate_s": 1.5},
-    ).record()
+    template = example_result("t0000", "d0", 0).record()
     dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
     written = 0
     rerun: list[dict[str, Any]] = []

@@ -116,7 +116,9 @@ class AgentCoordinator:
         self._breakers = Breakers(cfg, self._pool, model_state_dir, spawn=self._spawn,
                                   on_back=self._changed, on_give_up=self._stop)
         self._fatal: str | None = None    # why the run must stop; handed to the driver
-        self.runner_factory: Any = None   # in-process runners (tests): cfg, pool, ... -> runner
+        # Runners of tests and benchmarks: (cfg, pool, storage, runner id, state dir) -> a
+        # runner, a local object or (use_ray) an actor handle the factory made.
+        self.runner_factory: Any = None
 
     # ----------------------------------------------------------------- public surface
 
@@ -294,7 +296,9 @@ class AgentCoordinator:
         if self._desktops_by_node:
             node = next_runner_node(self._desktops_by_node,
                                     Counter(r.node for r in self._runners if r.alive))
-        if self.use_ray:
+        if self.runner_factory is not None:
+            handle = self.runner_factory(*args)
+        elif self.use_ray:
             import ray
             from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -310,7 +314,7 @@ class AgentCoordinator:
                 max_restarts=0,
             ).remote(*args)
         else:
-            handle = (self.runner_factory or TrajectoryRunner)(*args)
+            handle = TrajectoryRunner(*args)
         runner = _Runner(runner_id, handle, RunnerClient(handle), node=node)
         self._runners.append(runner)
         self.counters["runners_started"] += 1
