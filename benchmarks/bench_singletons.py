@@ -72,8 +72,8 @@ does nothing, called by the two stub runner processes with a ~0.8 KB record).
 Desktops: an episode is ``STEPS_PER_EPISODE`` steps (the mean of the sim world's episode
 lengths in benchmarks/bench_rollout.py: median 9, a 12% tail around 20, at most 24; ~10),
 so ``desktops = episodes/s x STEPS_PER_EPISODE x step time`` (steps/s x step time for a
-step row). A runner process drives ``1 / RUNNER_CPU_MS_PER_STEP`` steps/s (README, "Scale":
-11 ms of CPU a step), so for the endpoints server ``desktops = processes x 91 x step time``.
+step row). A runner process drives ``1 / RUNNER_CPU_MS_PER_STEP`` steps/s (bench_rollout.py,
+4.8 ms of CPU a step), so for the endpoints server ``desktops = processes x 208 x step time``.
 
 Prints a table (or ``--json``); asserts nothing. ``--quick``: a CI-sized run (< 60 s).
 """
@@ -125,9 +125,10 @@ COMPONENTS = ("coordinator", "pool", "storage", "loader", "endpoints")
 STEP_TIMES_S = (4.8, 2.0)
 TARGET_DESKTOPS = 10_000
 TARGET_STEP_S = 2.0
-# A runner process's CPU per step (README, "Scale": 11.0 ms at 256 episodes): the steps one
-# runner process (one event loop) makes a second, so the runner processes N desktops need.
-RUNNER_CPU_MS_PER_STEP = 11.0
+# A runner process's CPU per step (bench_rollout.py, 64 episodes, model.images: file: 4.6-4.8
+# ms; 5.9 inline; 11.0 before the hot requests moved to aiohttp): the steps one runner
+# process (one event loop) makes a second, so the runner processes N desktops need.
+RUNNER_CPU_MS_PER_STEP = 4.8
 # run.py's loop sleeps this long between iterations (cua_rollout/runtime/driver.py), and
 # the coordinator asks the pool for statistics this often.
 DRIVER_POLL_S = 0.5
