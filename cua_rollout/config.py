@@ -701,8 +701,9 @@ class DesktopsConfig(_Section):
     """How many pool shards hold ``static`` and ``kubernetes`` desktops: a desktop belongs
     to the shard its key hashes to (a static desktop's URL, a pod's index: the stable part
     of its name), each shard a process of its own (leases, resets and reset checks spread
-    over them). Null: one per 500 desktops of ``count + warm_spares``, rounded up (a run of
-    up to 500 has one; one shard sustains ~1,500 with ``verify`` on). ``local``,
+    over them). Null: one per 2,000 desktops of ``count + warm_spares``, rounded up (a run
+    of up to 2,000 has one; one shard carried ~16,000 at a 2 s step with ``verify`` off,
+    benchmarks/bench_singletons.py). ``local``,
     ``container`` and ``vm`` desktops have a shard per node instead (``node``)."""
     count: PositiveInt = 2
     """Desktops in the pool (for ``static``: taken from ``static.urls`` when unset)."""

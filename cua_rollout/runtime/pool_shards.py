@@ -46,9 +46,12 @@ log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-# A hash-sharded run gets one shard per this many desktops by default: a third of what one
-# shard sustains with reset verification on (~1,500, SCALE_REVIEW.md), so it has headroom.
-DESKTOPS_PER_HASH_SHARD = 500
+# A hash-sharded run gets one shard per this many desktops by default. One shard carried 815
+# episodes/s with reset checks off (bench_singletons.py: ~16,000 desktops at a 2 s step);
+# a checked reset adds a screenshot and a thumbnail decode per episode, so a shard gets an
+# eighth of that. Each shard is a process with its own housekeeping: at 4,096 desktops, 9
+# shards (one per 500) cost the run 1.7 ms of CPU a step in bench_rollout.py's 50 steps/s.
+DESKTOPS_PER_HASH_SHARD = 2000
 # Calls to the shards for operator actions should answer at once.
 _SHARD_CALL_TIMEOUT_S = 5.0
 # A shard's figures: under the coordinator's 5 s for the whole call, so one silent shard is
@@ -80,7 +83,7 @@ def _score(key: str, salt: str) -> int:
 
 def default_hash_shards(desktops: int) -> int:
     """``desktops.shards`` when unset: one per ``DESKTOPS_PER_HASH_SHARD`` desktops, at
-    least one (a run of up to 500 desktops has one shard)."""
+    least one (a run of up to 2,000 desktops has one shard)."""
     return max(1, math.ceil(desktops / DESKTOPS_PER_HASH_SHARD))
 
 
