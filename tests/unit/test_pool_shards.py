@@ -113,8 +113,8 @@ def test_the_hash_is_the_same_in_every_process_and_moves_little_when_shards_grow
 def test_the_default_shard_count_gives_small_runs_one_shard():
     assert default_hash_shards(1) == default_hash_shards(DESKTOPS_PER_HASH_SHARD) == 1
     assert default_hash_shards(DESKTOPS_PER_HASH_SHARD + 1) == 2
-    assert default_hash_shards(10_000) == 20
-    cfg = DesktopsConfig(provider="kubernetes", count=1200, warm_spares=0,
+    assert default_hash_shards(10_000) == 5
+    cfg = DesktopsConfig(provider="kubernetes", count=4096, warm_spares=0,
                          kubernetes={"image": "img"})
     assert len(plan_shards(cfg, [A], home=A)) == 3
 
