@@ -369,3 +369,26 @@ async def test_a_desktop_quarantined_during_its_reset_stays_out(make_pool, reset
     gc.collect()  # a task that failed unobserved reports it when collected
     await asyncio.sleep(0)
     assert failures == []
+
+
+async def test_leases_take_the_oldest_free_desktop_not_avoided(make_pool):
+    """Free desktops are lent oldest-ready first; ``avoid`` (the desktops an episode already
+    failed on) is passed over while another is free, and lent when nothing else is; a
+    quarantined desktop is never lent."""
+    # Not replaceable: a quarantined desktop is not replaced by a new (newest) one.
+    pool = await make_pool(FakeProvider(replaceable=False), count=4, warm_spares=0,
+                           health_interval_s=60)
+    first = [await pool.lease(f"o{i}", 1) for i in range(4)]
+    for lease in first:                      # ready again in this order (instant resets)
+        await pool.release(lease.lease_id)
+        await until(lambda lease=lease: pool._desktops[lease.desktop_id].state == "free")
+    order = [lease.desktop_id for lease in first]
+    a = await pool.lease("a", 1, avoid=[order[0]])
+    assert a.desktop_id == order[1]
+    await pool.quarantine(order[2])
+    b = await pool.lease("b", 1, avoid=[order[0]])
+    assert b.desktop_id == order[3]          # the quarantined one is skipped
+    c = await pool.lease("c", 1, avoid=[order[0]])
+    assert c.desktop_id == order[0]          # avoided, but the only one free
+    with pytest.raises(DesktopUnavailable):
+        await pool.lease("d", 0)
