@@ -66,7 +66,10 @@ class Hosts:
     subnet; the hosts in ``own_mounts`` also get a mount namespace of their own."""
 
     def __init__(self, names: list[str], *, own_mounts: Iterable[str] = ()) -> None:
-        tag = f"{os.getpid() % 100000:05d}"
+        # Names of their own per instance: a namespace deleted by the previous instance (a
+        # test module's teardown) takes its veth pair away asynchronously, so names reused
+        # at once collide ("File exists").
+        tag = secrets.token_hex(3)[:5]
         subnet = 10 + os.getpid() % 200
         self.bridge = f"cuabr{tag}"
         self.ns = {n: f"cua{tag}{n}" for n in names}
@@ -87,10 +90,12 @@ class Hosts:
                 sh("ip", "netns", "add", ns)
                 self._made.append(("netns", ns))
                 inner, outer = f"cuav{i}", f"{self.bridge}p{i}"
-                sh("ip", "link", "add", inner, "type", "veth", "peer", "name", outer)
+                # The inner end is made inside the namespace: no name of it in ours.
+                sh("ip", "link", "add", inner, "netns", ns, "type", "veth", "peer", "name",
+                   outer)
+                self._made.append(("link", outer))  # deleted (with its peer) before the netns
                 sh("ip", "link", "set", outer, "master", self.bridge)
                 sh("ip", "link", "set", outer, "up")
-                sh("ip", "link", "set", inner, "netns", ns)
                 sh("ip", "-n", ns, "addr", "add", f"{self.ip[host]}/24", "dev", inner)
                 sh("ip", "-n", ns, "link", "set", inner, "up")
                 sh("ip", "-n", ns, "link", "set", "lo", "up")
@@ -119,7 +124,7 @@ class Hosts:
     def __exit__(self, *exc: object) -> None:
         for kind, name in reversed(self._made):  # a namespace takes its veth end (and peer)
             with contextlib.suppress(subprocess.SubprocessError):
-                if kind == "bridge":
+                if kind in ("bridge", "link"):
                     sh("ip", "link", "del", name)
                 elif kind == "netns":
                     sh("ip", "netns", "del", name)
