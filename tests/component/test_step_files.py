@@ -7,8 +7,10 @@ and EpisodeWriter in one process; for the full disk, the coordinator's whole wor
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import Any
 from urllib.request import url2pathname
@@ -228,6 +230,63 @@ async def test_the_storage_refuses_a_staging_name_that_is_not_one_component(tmp_
     await storage.close()
 
 
+@contextlib.asynccontextmanager
+async def one_episode_world(output_dir: Path, server_url: str, *sets: str
+                            ) -> AsyncIterator[tuple[Any, AgentCoordinator, StorageActor,
+                                                     list[TrajectoryRunner]]]:
+    """The coordinator's whole world in this process (fake desktops, a real storage and
+    in-process runners) on the demo config for one episode at a time, its model the
+    server at ``server_url``; ``sets`` add overrides. Yields the config, the coordinator,
+    the storage and the runners it made; everything is stopped after."""
+    cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
+        f"run.output_dir={output_dir / 'results'}", "model.scripted=false",
+        f"model.endpoints={json.dumps([server_url])}",
+        "desktops.count=1", "desktops.warm_spares=0", "runner.action_pause_s=0",
+        "coordinator.max_concurrent_episodes=1", "coordinator.episodes_per_runner=1",
+        "monitoring.ray_metrics=false", "storage.index=false",
+        f"desktops.download_cache_dir={output_dir}", *sets])
+    provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))
+    pool = DesktopPool(cfg.desktops, provider)
+    await pool.start()
+    storage = StorageActor(cfg.run_dir, cfg.storage)
+    await storage.start_run({"run": cfg.run.name})
+    coordinator = AgentCoordinator(cfg, pool, storage, use_ray=False)
+    runners: list[TrajectoryRunner] = []
+
+    def runner(*args: Any) -> TrajectoryRunner:
+        runners.append(TrajectoryRunner(*args, env_factory=provider.env_factory))
+        return runners[-1]
+
+    coordinator.runner_factory = runner
+    try:
+        await coordinator.submit([EpisodeSpec("t0", "d", 0, {
+            "id": "t0", "instruction": "x", "config": [],
+            "evaluator": {"func": "infeasible"}})])
+        yield cfg, coordinator, storage, runners
+    finally:
+        await coordinator.drain(cancel=True, timeout_s=10)
+        await coordinator.shutdown()
+        await pool.stop()
+        await storage.close()
+
+
+async def settled(coordinator: AgentCoordinator, done: Callable[[dict[str, Any]], bool]
+                  ) -> dict[str, Any]:
+    """The coordinator's statistics once ``done`` says so (at most 30 s of polls)."""
+    for _ in range(600):
+        stats = (await coordinator.poll())["stats"]
+        if done(stats):
+            break
+        await asyncio.sleep(0.05)
+    return stats
+
+
+def image_urls(messages: list[dict[str, Any]]) -> list[str]:
+    """The image URLs of chat ``messages``, in order."""
+    return [part["image_url"]["url"] for m in messages if isinstance(m["content"], list)
+            for part in m["content"] if part.get("type") == "image_url"]
+
+
 async def test_a_full_disk_on_the_runner_side_is_an_error_that_is_never_recorded(tmp: Path):
     """The disk fills while an episode runs: the runner's own write fails, the episode ends
     as a fatal infra error (its files are incomplete), the coordinator records nothing and
@@ -242,49 +301,22 @@ async def test_a_full_disk_on_the_runner_side_is_an_error_that_is_never_recorded
             return "Action: call_user()"
 
         server = FakeOpenAIServer(reply=reply).start()
-        cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
-            f"run.output_dir={fs / 'results'}", "model.scripted=false",
-            f"model.endpoints={json.dumps([server.url])}", "model.retries=0",
-            "desktops.count=1", "desktops.warm_spares=0", "runner.action_pause_s=0",
-            "coordinator.max_concurrent_episodes=1", "coordinator.episodes_per_runner=1",
-            "coordinator.max_retries=0", "monitoring.ray_metrics=false",
-            "storage.index=false", f"desktops.download_cache_dir={tmp}"])
-        provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))
-        pool = DesktopPool(cfg.desktops, provider)
-        await pool.start()
-        storage = StorageActor(cfg.run_dir, cfg.storage)
-        await storage.start_run({"run": "full"})
-        coordinator = AgentCoordinator(cfg, pool, storage, use_ray=False)
-        runners: list[TrajectoryRunner] = []
-
-        def runner(*args: Any) -> TrajectoryRunner:
-            runners.append(TrajectoryRunner(*args, env_factory=provider.env_factory))
-            return runners[-1]
-
-        coordinator.runner_factory = runner
         try:
-            await coordinator.submit([EpisodeSpec("t0", "d", 0, {
-                "id": "t0", "instruction": "x", "config": [],
-                "evaluator": {"func": "infeasible"}})])
-            for _ in range(600):
-                stats = (await coordinator.poll())["stats"]
-                if stats["fatal"] and not stats["episodes_in_flight"]:
-                    break
-                await asyncio.sleep(0.05)
-            assert stats["fatal"] and stats["fatal"].startswith("storage: StorageError: step: ")
-            assert "No space left on device" in stats["fatal"]
-            await storage.flush()
-            results = cfg.run_dir / RESULTS_FILE
-            assert not results.exists() or results.read_text() == ""
-            (only,) = runners
-            assert only.stats()["step_files"]["mode"] == "runner"
-            assert only.stats()["step_files"]["errors"] >= 1
-            assert storage.stats()["steps"] == 0  # nothing went through the actor
+            async with one_episode_world(fs, server.url, "model.retries=0",
+                                         "coordinator.max_retries=0") as (
+                    cfg, coordinator, storage, runners):
+                stats = await settled(coordinator, lambda s: bool(
+                    s["fatal"] and not s["episodes_in_flight"]))
+                assert stats["fatal"] and stats["fatal"].startswith("storage: StorageError: step: ")
+                assert "No space left on device" in stats["fatal"]
+                await storage.flush()
+                results = cfg.run_dir / RESULTS_FILE
+                assert not results.exists() or results.read_text() == ""
+                (only,) = runners
+                assert only.stats()["step_files"]["mode"] == "runner"
+                assert only.stats()["step_files"]["errors"] >= 1
+                assert storage.stats()["steps"] == 0  # nothing went through the actor
         finally:
-            await coordinator.drain(cancel=True, timeout_s=10)
-            await coordinator.shutdown()
-            await pool.stop()
-            await storage.close()
             server.stop()
             for made in filler:
                 made.unlink()
@@ -297,9 +329,7 @@ async def test_screenshots_sent_by_path_are_on_disk_when_the_model_reads_them(tm
     seen: list[list[str]] = []
 
     def reply(body: dict[str, Any]) -> str:
-        urls = [part["image_url"]["url"] for m in body["messages"]
-                if isinstance(m["content"], list)
-                for part in m["content"] if part.get("type") == "image_url"]
+        urls = image_urls(body["messages"])
         for url in urls:
             assert url.startswith("file:///"), url[:40]
             data = Path(url2pathname(url.removeprefix("file://"))).read_bytes()
@@ -309,36 +339,14 @@ async def test_screenshots_sent_by_path_are_on_disk_when_the_model_reads_them(tm
                 else "Action: finished(content='')")
 
     server = FakeOpenAIServer(reply=reply).start()
-    cfg = load_config(REPO_ROOT / "configs" / "demo.yaml", [
-        f"run.output_dir={tmp_path / 'results'}", "model.scripted=false",
-        f"model.endpoints={json.dumps([server.url])}", "model.images=file",
-        "desktops.count=1", "desktops.warm_spares=0", "runner.action_pause_s=0",
-        "coordinator.max_concurrent_episodes=1", "coordinator.episodes_per_runner=1",
-        "monitoring.ray_metrics=false", "storage.index=false", "storage.save_messages=true",
-        f"desktops.download_cache_dir={tmp_path}"])
-    provider = FakeProvider(desktop_factory=lambda i: FakeDesktop(name=i))
-    pool = DesktopPool(cfg.desktops, provider)
-    await pool.start()
-    storage = StorageActor(cfg.run_dir, cfg.storage)
-    await storage.start_run({"run": "file-images"})
-    coordinator = AgentCoordinator(cfg, pool, storage, use_ray=False)
-    coordinator.runner_factory = lambda *args: TrajectoryRunner(
-        *args, env_factory=provider.env_factory)
     try:
-        await coordinator.submit([EpisodeSpec("t0", "d", 0, {
-            "id": "t0", "instruction": "x", "config": [],
-            "evaluator": {"func": "infeasible"}})])
-        for _ in range(600):
-            stats = (await coordinator.poll())["stats"]
-            if stats["episodes_done"] and not stats["episodes_in_flight"]:
-                break
-            await asyncio.sleep(0.05)
-        await storage.flush()
+        async with one_episode_world(tmp_path, server.url, "model.images=file",
+                                     "storage.save_messages=true") as (
+                cfg, coordinator, storage, _):
+            await settled(coordinator, lambda s: bool(
+                s["episodes_done"] and not s["episodes_in_flight"]))
+            await storage.flush()
     finally:
-        await coordinator.drain(cancel=True, timeout_s=10)
-        await coordinator.shutdown()
-        await pool.stop()
-        await storage.close()
         server.stop()
     assert [len(urls) for urls in seen] == [1, 2, 3]
     assert all(url.endswith(f"/step_{i}.png") for urls in seen for i, url in enumerate(urls))
@@ -349,9 +357,7 @@ async def test_screenshots_sent_by_path_are_on_disk_when_the_model_reads_them(tm
     assert sorted(p.name for p in episode.glob("step_*.png")) == [
         "step_0.png", "step_1.png", "step_2.png"]
     stored = json.loads((episode / "messages.json").read_text())
-    stored_urls = [part["image_url"]["url"] for m in stored if isinstance(m["content"], list)
-                   for part in m["content"] if part.get("type") == "image_url"]
-    assert stored_urls == ["step_0.png", "step_1.png", "step_2.png"]
+    assert image_urls(stored) == ["step_0.png", "step_1.png", "step_2.png"]
 
 
 def test_images_by_path_need_the_runners_to_write_the_screenshots():
