@@ -96,7 +96,7 @@ Per row (all computed from what the run wrote, the sim's configuration and psuti
                        ``rss_marginal_mb_per_episode``: the peak's growth from the schedule's
                        previous level, per added episode.
   lost, duplicated     submitted episodes that are not in results.jsonl, did not start (no
-                       directory: begin_episode never ran) and are not among those the
+                       staging directory: it never began) and are not among those the
                        coordinator still holds queued after the drain (so a started episode
                        without a result line counts as cancelled by the drain, as run.py's
                        second Ctrl-C does); and results.jsonl lines beyond one per episode, or
@@ -155,6 +155,7 @@ import time
 from datetime import datetime
 from pathlib import Path
 from typing import Any
+from urllib.parse import unquote
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
@@ -167,7 +168,13 @@ from benchmarks.sim_world import (  # noqa: E402
     ModelSim,
     SimWorld,
 )
-from cua_rollout.core.layout import EPISODE_FILE, METRICS_FILE, RESULTS_FILE, TRAJ_FILE  # noqa: E402
+from cua_rollout.core.layout import (  # noqa: E402
+    ATTEMPTS_DIR,
+    EPISODE_FILE,
+    METRICS_FILE,
+    RESULTS_FILE,
+    TRAJ_FILE,
+)
 from cua_rollout.core.types import Status  # noqa: E402
 from cua_rollout.results import read_jsonl  # noqa: E402
 
@@ -571,6 +578,10 @@ def _run_row(row: _Row, desktops: SimWorld, sampler: _ProcessSampler, next_task:
                 _drain(actors.coordinator, max(s.drain_grace_s, 1.3 * s.step_s_for(k)))
             row.queued_left = ray.get(actors.coordinator.stats.remote(),
                                       timeout=60)["episodes_queued"]
+            # What the drain cancelled is in the staging area, which the run's end sweeps:
+            # kept aside for the analysis (nothing is in flight now).
+            with contextlib.suppress(FileNotFoundError):
+                (row.run_dir / ATTEMPTS_DIR).rename(row.run_dir / KEPT_ATTEMPTS_DIR)
             status = "finished"
         finally:
             row.peak_rss = sampler.peak_rss
@@ -584,10 +595,14 @@ def _run_row(row: _Row, desktops: SimWorld, sampler: _ProcessSampler, next_task:
     return numbers[-1] + 1
 
 
+# Where a row keeps the staging area as the drain left it (the run's end sweeps it).
+KEPT_ATTEMPTS_DIR = ".attempts-after-drain"
+
+
 def _drain(coordinator: Any, grace_s: float, timeout_s: float = 120.0) -> None:
     """Stop starting episodes and let the running ones end for ``grace_s``; cancel what is
     left (run.py's first and second Ctrl-C) and wait until nothing is in flight. Episodes
-    cancelled this late have all started (their directory exists)."""
+    cancelled this late have all started (their staging directory exists)."""
     import ray
 
     ray.get(coordinator.drain.remote(False, 0.0), timeout=60)
@@ -602,6 +617,16 @@ def _drain(coordinator: Any, grace_s: float, timeout_s: float = 120.0) -> None:
         if time.monotonic() > deadline:
             raise RuntimeError("cancelled episodes did not end")
         time.sleep(0.2)
+
+
+def _staged_episodes(run_dir: Path) -> set[str]:
+    """The episodes with a staging directory left after the drain (``layout.staging_name``:
+    the flattened id, the attempt, the nonce)."""
+    attempts = run_dir / KEPT_ATTEMPTS_DIR
+    if not attempts.is_dir():
+        return set()
+    return {unquote(p.name.rsplit(".", 2)[0]) for p in attempts.iterdir()
+            if p.is_dir() and p.name.count(".") >= 2}
 
 
 def _poll(coordinator: Any) -> dict[str, Any]:
@@ -743,13 +768,18 @@ def _figures(row: _Row) -> dict[str, Any]:
     episodes: dict[str, dict[str, Any]] = {r["episode_id"]: r for r in results}
     cancelled: set[str] = set()
     steps: list[dict[str, Any]] = []
-    for path in (row.run_dir / DOMAIN).glob(f"*/*/{EPISODE_FILE}"):
+    # Attempts cancelled by the drain (and any not recorded) are in their staging
+    # directories: the runners write them, and only a results line moves one into place.
+    staged = _staged_episodes(row.run_dir)
+    for path in [*(row.run_dir / DOMAIN).glob(f"*/*/{EPISODE_FILE}"),
+                 *(row.run_dir / KEPT_ATTEMPTS_DIR).glob(f"*/{EPISODE_FILE}")]:
         record = json.loads(path.read_text(encoding="utf-8"))
         if record["episode_id"] not in episodes:
             episodes[record["episode_id"]] = record
             if record.get("status") == Status.CANCELLED:
                 cancelled.add(record["episode_id"])
-    for path in (row.run_dir / DOMAIN).glob(f"*/*/{TRAJ_FILE}"):
+    for path in [*(row.run_dir / DOMAIN).glob(f"*/*/{TRAJ_FILE}"),
+                 *(row.run_dir / KEPT_ATTEMPTS_DIR).glob(f"*/{TRAJ_FILE}")]:
         # A step cancelled by the drain before its desktop part ended has no timing.
         steps.extend(st for st in _read_jsonl(path) if st.get("timing"))
     for st in steps:
@@ -790,7 +820,7 @@ def _figures(row: _Row) -> dict[str, Any]:
     # episode cancelled while it was finishing has no episode.json (runner: a cancellation
     # inside _finish skips the remaining writes); it is counted apart.
     unrecorded = submitted - unique
-    started = {e for e in unrecorded if (row.run_dir / e).is_dir()}
+    started = {e for e in unrecorded if e in staged or (row.run_dir / e).is_dir()}
     cancelled_unwritten = started - cancelled
     lost = len(unrecorded) - len(started) - row.queued_left
     statuses: dict[str, int] = {}

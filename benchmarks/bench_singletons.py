@@ -48,14 +48,16 @@ does nothing, called by the two stub runner processes with a ~0.8 KB record).
    gives it back; ``stats()`` asked every second as the coordinator does.
 3. storage (a real ``StorageActor``, trainer index on, as by default): ``step files by
    runners`` (episodes; ``storage.step_files: runner``, the default where runners see the run
-   directory): per episode the actor hears ``begin_staged``, ``finish_staged`` and
-   ``record_result``, while the stub runners write the steps' files themselves
+   directory): per episode the actor hears only its results line, batched with others by
+   a ``ResultRecorder`` (the coordinator's, one per stub runner process here, so the
+   batches are smaller than one coordinator's), which moves the attempt's staging
+   directory into place, while the stub runners write the steps' files themselves
    (``EpisodeWriter``; small PNGs: their bytes never reach the actor);
    ``step files through the actor`` (steps; ``storage.step_files: storage``, the "before"):
    every step's traj.jsonl line and a 330 KB screenshot go to ``write_step`` in 64 KiB parts.
    Episodes of ``STEPS_PER_EPISODE`` steps, as fast as 2 x ``storage_at_once`` writers go.
    The in-process figure of the first: staging directories made beforehand (the runner's
-   part), then the storage's three calls per episode timed.
+   part), then their results lines recorded, batched as the coordinator batches them.
 4. loader (episodes): the driver's ``TaskLoader`` in service mode (369 tasks x 8 rollouts a
    pass) after 10^4, 10^5, 10^6 recorded episodes (``benchmarks/bench_loader.py``'s
    ``fill_loader`` and ``time_iterations``): an iteration of run.py's loop (every 0.5 s:
@@ -112,6 +114,7 @@ from cua_rollout.core.types import EpisodeResult, EpisodeSpec  # noqa: E402
 from cua_rollout.runtime.actors import CoordinatorClient, PoolClient, StorageClient, send  # noqa: E402
 from cua_rollout.runtime.coordinator import AgentCoordinator  # noqa: E402
 from cua_rollout.runtime.pool import DesktopPool  # noqa: E402
+from cua_rollout.runtime.recorder import ResultRecorder  # noqa: E402
 from cua_rollout.runtime.runner import TrajectoryRunner  # noqa: E402
 from cua_rollout.runtime.storage import EpisodeWriter, StepFiles, StorageActor  # noqa: E402
 from cua_rollout.runtime.trajectory import ScreenshotFiles, StepRecord  # noqa: E402
@@ -436,7 +439,7 @@ class BenchRunner(TrajectoryRunner):
         """``at_once`` episodes of ``steps`` steps writing their files as runners do
         (``EpisodeWriter``, ``StepFiles`` of ``storage_cfg``), and their results lines."""
         files = StepFiles(self.storage, storage_cfg, self.runner_id)
-        storage = StorageClient(self.storage)
+        recorder = ResultRecorder(StorageClient(self.storage), 60.0)
         lines = [_step_line(step) for step in range(1, steps + 1)]
         messages = _messages(self._task)
 
@@ -452,7 +455,7 @@ class BenchRunner(TrajectoryRunner):
                 failed = await writer.finish(record, messages)
                 if failed is not None:
                     raise RuntimeError(f"storage: {spec.episode_id}: {failed}")
-                await storage.record_result(record)
+                await recorder.record(record, writer.staging)
                 self.driven += 1
 
         try:
@@ -507,8 +510,9 @@ class _Stubs:
     async def release_owned(self, owner_prefix: str, healthy: bool = True) -> int:
         return 0
 
-    async def record_result(self, record: dict[str, Any]) -> None:
-        self.results += 1
+    async def record_results(self, items: list[Any]) -> list[str | None]:
+        self.results += len(items)
+        return [None] * len(items)
 
     async def write_metrics(self, sample: dict[str, Any]) -> None:
         return None
@@ -819,7 +823,8 @@ async def _storage_mode(world: _World, target: Any, cpu: _Cpu, mode: str, png: b
 
 async def _storage_staged(cfg: Config, s: Settings, run_dir: Path) -> Row:
     """In-process, step files by runners: the staging directories made first (the
-    runners' part), then the storage's begin, finish and results line for each, timed."""
+    runners' part), then their results lines recorded as the coordinator does (batched by
+    a ``ResultRecorder``), each moving its directory into place, timed."""
     storage = StorageActor(run_dir, cfg.storage)
     await storage.start_run({"run": "bench-singletons"})
     attempts = run_dir / ATTEMPTS_DIR
@@ -835,14 +840,12 @@ async def _storage_staged(cfg: Config, s: Settings, run_dir: Path) -> Row:
         staged.append((spec, name, _result(spec, time.time()).record()))
     queue = list(reversed(staged))
 
+    recorder = ResultRecorder(StorageClient(storage), 60.0)
+
     async def writer() -> None:
         while queue:
-            spec, name, record = queue.pop()
-            await storage.begin_staged(spec.episode_id, 0, name)
-            failed = await storage.finish_staged(spec.episode_id, 0, name, None)
-            if failed is not None:
-                raise RuntimeError(f"storage: {spec.episode_id}: {failed}")
-            await storage.record_result(record)
+            _, name, record = queue.pop()
+            await recorder.record(record, name)
 
     cpu = _Cpu(os.getpid())
     cpu_s, t0 = cpu.seconds(), time.monotonic()

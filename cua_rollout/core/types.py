@@ -76,6 +76,9 @@ class EpisodeSpec:
     attempt: int = 0
     pass_index: int = 0             # which pass over the task set (tasks.passes)
     group_size: int | None = None   # rollouts of this task in this pass (None: not planned)
+    # Set by the coordinator for each dispatch (an outage or a cut reruns the same attempt):
+    # names the staging directory of the files its runner writes (``layout.staging_name``).
+    nonce: str = field(default="", compare=False)
     episode_id: str = field(init=False)
     group: str = field(init=False)     # the task: "<domain>/<task_id>"
     group_id: str = field(init=False)  # the task's group of this pass (the trainer's unit)

@@ -90,9 +90,6 @@ class StorageClient(_Client):
                       ) -> Awaitable[None]:
         return send(self.target.begin_episode, episode_id, attempt, task)
 
-    def begin_staged(self, episode_id: str, attempt: int, staging: str) -> Awaitable[None]:
-        return send(self.target.begin_staged, episode_id, attempt, staging)
-
     def step_files_target(self) -> Awaitable[dict[str, str]]:
         return send(self.target.step_files_target)
 
@@ -104,12 +101,13 @@ class StorageClient(_Client):
                        messages: list[dict[str, Any]] | None = None) -> Awaitable[str | None]:
         return send(self.target.finish_episode, episode_id, attempt, record, messages)
 
-    def finish_staged(self, episode_id: str, attempt: int, staging: str,
-                      failed: str | None) -> Awaitable[str | None]:
-        return send(self.target.finish_staged, episode_id, attempt, staging, failed)
+    def record_result(self, record: dict[str, Any], staging: str | None = None,
+                      discard: list[str] | None = None) -> Awaitable[None]:
+        return send(self.target.record_result, record, staging, discard)
 
-    def record_result(self, record: dict[str, Any]) -> Awaitable[None]:
-        return send(self.target.record_result, record)
+    def record_results(self, items: list[tuple[dict[str, Any], str | None, list[str]]]
+                       ) -> Awaitable[list[str | None]]:
+        return send(self.target.record_results, items)
 
     def forget_episode(self, episode_id: str, attempt: int) -> Awaitable[None]:
         return send(self.target.forget_episode, episode_id, attempt)

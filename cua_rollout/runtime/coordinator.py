@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import time
+import uuid
 from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
@@ -32,11 +33,13 @@ from typing import Any
 from cua_rollout.config import Config
 from cua_rollout.core.aio import TaskSet, backoff_s
 from cua_rollout.core.errors import ConfigError, one_line
+from cua_rollout.core.layout import staging_name
 from cua_rollout.core.types import EpisodeResult, EpisodeSpec, Status, infra_result
 from cua_rollout.runtime.actors import RunnerClient, StorageClient
 from cua_rollout.runtime.episode import episode_deadline_s
 from cua_rollout.runtime.outages import Breakers
 from cua_rollout.runtime.pool_shards import PoolShards, ShardedPool, next_runner_node
+from cua_rollout.runtime.recorder import ResultRecorder
 from cua_rollout.runtime.runner import TrajectoryRunner
 from cua_rollout.runtime.stats import RunStats
 
@@ -93,6 +96,10 @@ class AgentCoordinator:
         self._desktops_by_node = (desktop_pool.desktops_by_node()
                                   if isinstance(desktop_pool, PoolShards) else {})
         self._storage = StorageClient(storage)
+        self._recorder = ResultRecorder(self._storage, _ACTOR_CALL_TIMEOUT_S)
+        # episode -> staging directories of its dispatches that ended without a results line
+        # (a retry, an outage): removed by the storage when the episode is recorded.
+        self._unrecorded: dict[str, list[str]] = {}
         self.model_state_dir = model_state_dir
         self.use_ray = use_ray
         self._queue: deque[tuple[EpisodeSpec, list[str]]] = deque()
@@ -275,6 +282,8 @@ class AgentCoordinator:
             self._wake.clear()
             while (item := self._next()) is not None:
                 spec, avoid = item
+                # A new name for the files of each dispatch (an outage reruns the attempt).
+                spec = dataclasses.replace(spec, nonce=uuid.uuid4().hex[:12])
                 runner = self._runner_with_room()
                 runner.active.add(spec.episode_id)
                 self._in_flight[spec.episode_id] = (spec, runner.id)
@@ -423,25 +432,30 @@ class AgentCoordinator:
             return
         if result.status == Status.CANCELLED or (
                 self._cancelling and result.status == Status.INFRA_ERROR):
-            # Not recorded: a rerun of the same command runs it again.
+            # Not recorded: a rerun of the same command runs it again (its files, if any,
+            # go with the run's staging area at its end).
             self.counters["cancelled"] += 1
             self._batch.discard(spec.episode_id)
+            self._unrecorded.pop(spec.episode_id, None)
             return
         if result.status == Status.INFRA_ERROR and result.fatal:
             # No retry can fix it: stop, record nothing, let a rerun resume the episode.
             self.counters["fatal"] += 1
+            self._not_recorded(spec)
             self._queue.appendleft((spec, list(avoid_of(result))))
             self._stop(result.error or "a fatal error")
             return
         if result.status == Status.INFRA_ERROR and result.outage:
             # A side of the service is down: a wait, not a result and not an attempt.
             self.counters["outage_requeues"] += 1
+            self._not_recorded(spec)
             self._queue.appendleft((spec, list(avoid_of(result))))
             self._breakers.trip_after(result.outage, result.started_at, result.error or "")
             return
         if (result.status == Status.INFRA_ERROR and result.retryable
                 and spec.attempt < cfg.max_retries):
             self.run_stats.retried()
+            self._not_recorded(spec)
             log.info("episode %s attempt %d: %s; retrying", spec.episode_id, spec.attempt,
                      result.error)
             self._queue.appendleft((dataclasses.replace(spec, attempt=spec.attempt + 1),
@@ -504,12 +518,21 @@ class AgentCoordinator:
         self._batch.discard(spec.episode_id)
         self._queue.appendleft((spec, list(avoid_of(result))))
 
+    def _not_recorded(self, spec: EpisodeSpec) -> None:
+        """The dispatch ends without a results line and the episode runs again: its staging
+        directory goes when the episode is recorded."""
+        self._unrecorded.setdefault(spec.episode_id, []).append(
+            staging_name(spec.episode_id, spec.attempt, spec.nonce))
+
     async def _record(self, spec: EpisodeSpec, record: dict[str, Any]) -> bool:
-        """Append the episode's results.jsonl line; False (and the run stops) when the
+        """Append the episode's results.jsonl line, its runner's files moved into place first
+        (batched with others: ``ResultRecorder``); False (and the run stops) when the
         storage cannot: the episode is then not in results.jsonl, so a rerun runs it again."""
+        staging = staging_name(spec.episode_id, spec.attempt, spec.nonce) if spec.nonce else None
+        discard = self._unrecorded.pop(spec.episode_id, [])
         try:
-            await asyncio.wait_for(self._storage.record_result(record),
-                                   _ACTOR_CALL_TIMEOUT_S)
+            await self._recorder.record(record, staging, discard)
+            self.counters["results_calls"] = self._recorder.calls
         except asyncio.CancelledError:
             raise
         except Exception as exc:

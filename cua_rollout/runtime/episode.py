@@ -44,7 +44,6 @@ from cua_rollout.core.types import (
 from cua_rollout.envs.contract import DesktopEnv
 from cua_rollout.evaluation import Evaluator
 from cua_rollout.model.client import Generation, ModelServicePool
-from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter, StepFiles
 from cua_rollout.runtime.trajectory import (
@@ -171,7 +170,7 @@ class Episode(abc.ABC):
         self.session_id = f"{spec.episode_id}#{spec.attempt}"
         self.files = ScreenshotFiles()
         self.writer = EpisodeWriter(runner.storage, spec.episode_id, spec.attempt,
-                                    runner.step_files)
+                                    runner.step_files, spec.nonce)
         self.steps = 0
         self.max_steps = self.cfg.runner.max_steps
         self.parse_failures = 0
@@ -545,9 +544,8 @@ class Episode(abc.ABC):
                     ACTOR_CALL_TIMEOUT_S, "the storage (finish)")
                 if failed:
                     raise StorageError(failed)
-            if status == Status.CANCELLED:  # no result line will come: the storage forgets it
-                await within(StorageClient(self.r.storage).forget_episode(
-                    self.spec.episode_id, self.spec.attempt), ACTOR_CALL_TIMEOUT_S, "the storage")
+            if status == Status.CANCELLED and self.begun:  # no result line will come
+                await within(self.writer.forget(), ACTOR_CALL_TIMEOUT_S, "the storage")
         except Exception as exc:
             # Files that were not written make the episode an infra error that stops the run
             # (a full disk, a dead storage actor): never a result whose files are missing.

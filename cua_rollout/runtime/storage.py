@@ -9,12 +9,15 @@ call waits for room, which is the backpressure runners feel when the disk falls 
 
 Step files are written where they are made: a runner process that sees the run directory
 (``StepFiles``: a probe, or ``storage.step_files``) writes its episodes' screenshots and
-traj.jsonl lines itself, from a thread; the storage actor then hears only an attempt's begin
-and finish and its results line. Each attempt writes into a staging directory of its own
-(``<run>/.attempts/<name>``), moved into the episode's place when the current attempt
-finishes, so a superseded attempt (a runner declared dead that keeps running) can never mix
-its files into the current one. A runner that cannot see the run directory sends every step
-to the actor (``write_step``), which writes the same staging directory for it.
+traj.jsonl lines itself, from a thread, into a staging directory of the attempt's own
+(``<run>/.attempts/<name>``, named by the coordinator's dispatch: ``staging_name``). The
+storage actor hears nothing of it until the results line: ``record_results`` names the
+attempt's staging directory (moved into the episode's place, then the line appended) and
+those of the episode's earlier dispatches that were never recorded (removed), so a
+superseded attempt (a runner declared dead that keeps running) can never mix its files into
+the current one, and the actor carries one call per batch of results, not three per episode.
+A runner that cannot see the run directory sends every step to the actor (``begin_episode``,
+``write_step``, ``finish_episode``), which writes a staging directory for it.
 
 Each results.jsonl line, once durable, goes to the storage's subscribers: the trainer's index
 (``IndexFeed``, cua_rollout/runtime/index_feed.py) is one; it never holds up a result
@@ -96,6 +99,8 @@ _FILE_THREADS = 4
 # Recorded episodes whose attempt the storage remembers, so that a begin of an older attempt
 # arriving late (its runner was declared dead, then woke up) is refused: ~100 B each.
 _RECORDED_ATTEMPTS = 65536
+# Results handled in one thread call and one append at most (``record_results``).
+_RESULTS_AT_ONCE = 256
 # The file the storage writes at the start of a run and runners look for (``StepFiles``).
 _PROBE_PREFIX = "probe-"
 
@@ -204,12 +209,6 @@ class StorageActor:
         than the episode's current (or recorded) one is itself dropped."""
         await self._put(_Job("begin", episode_id, attempt, {"task": task}))
 
-    async def begin_staged(self, episode_id: str, attempt: int, staging: str) -> None:
-        """Start an attempt whose runner writes its files itself, into ``staging`` (a
-        directory of ``.attempts`` that the runner makes once this returns; ``staging_name``):
-        as ``begin_episode``, without a byte of the files."""
-        await self._wait(_Job("begin", episode_id, attempt, {"staging": staging}))
-
     async def step_files_target(self) -> dict[str, str]:
         """Where runners find the run directory: its path here and a probe file in it
         (``StepFiles``): a runner that reads ``token`` from ``<run_dir>/<probe>`` sees the
@@ -255,28 +254,43 @@ class StorageActor:
             return None  # superseded: its writes were dropped on purpose
         return self._failed.get(episode_id)
 
-    async def finish_staged(self, episode_id: str, attempt: int, staging: str,
-                            failed: str | None) -> str | None:
-        """The runner wrote every file of the attempt into ``staging`` (``failed``: the first
-        of its writes that failed): moved into the episode's directory when it is the
-        current attempt's, removed when it was superseded. Answers as ``finish_episode``."""
-        await self._wait(_Job("finish", episode_id, attempt,
-                              {"staging": staging, "failed": failed}))
-        if self._attempts.get(episode_id) != attempt:
-            return None
-        return self._failed.get(episode_id)
+    async def record_result(self, record: dict[str, Any], staging: str | None = None,
+                            discard: list[str] | None = None) -> None:
+        """``record_results`` for one record; ``StorageError`` if it could not be written."""
+        error = (await self.record_results([(record, staging, discard or [])]))[0]
+        if error is not None:
+            raise StorageError(error)
 
-    async def record_result(self, record: dict[str, Any]) -> None:
-        """The episode is final: append its line to results.jsonl (after its other files).
-        Returns once it is written; ``StorageError`` if it could not be."""
-        try:
-            await self._wait(_Job("result", record["episode_id"],
-                                  int(record.get("attempt", 0)), {"record": record}))
-        except OSError as exc:
-            raise StorageError(f"{RESULTS_FILE}: {exc}") from exc
+    async def record_results(self, items: list[tuple[dict[str, Any], str | None, list[str]]]
+                             ) -> list[str | None]:
+        """The episodes are final: per item ``(record, staging, discard)``, the files of the
+        record's attempt are put in place (those its runner wrote in ``staging``, a name in
+        ``.attempts``, moved to the episode's directory; those this actor wrote, already
+        there), the staging directories in ``discard`` (the episode's earlier dispatches,
+        never recorded) removed, then the record's line appended to results.jsonl (after the
+        episode's other files). Returns once the lines are written: per item None, or why it
+        was not (its line is then not in results.jsonl: a rerun runs the episode again)."""
+        loop = asyncio.get_running_loop()
+        jobs = []
+        for record, staging, discard in items:
+            job = _Job("result", record["episode_id"], int(record.get("attempt", 0)),
+                       {"record": record, "staging": staging, "discard": list(discard)},
+                       done=loop.create_future())
+            jobs.append(job)
+            await self._put(job)
+        errors: list[str | None] = []
+        for job in jobs:
+            assert job.done is not None
+            try:
+                await job.done
+                errors.append(None)
+            except Exception as exc:
+                errors.append(f"{RESULTS_FILE}: {exc}")
+        return errors
 
     async def forget_episode(self, episode_id: str, attempt: int) -> None:
-        """An attempt that ends without a result line (cancelled): drop what is kept for it."""
+        """An attempt this actor writes that ends without a result line (cancelled): drop
+        what is kept for it. (A runner removes the staging directory it wrote itself.)"""
         if self._attempts.get(episode_id) == attempt:
             staged = self._staging.pop(episode_id, None)
             for kept in (self._attempts, self._dirs, self._failed):
@@ -359,27 +373,38 @@ class StorageActor:
         await job.done
 
     async def _writer(self, queue: asyncio.Queue[_Job]) -> None:
+        held: _Job | None = None
         while True:
-            job = await queue.get()
-            error: Exception | None = None
+            job, held = (held, None) if held is not None else (await queue.get(), None)
+            if job.kind == "result":
+                # The results waiting right behind it go with it: one thread call and one
+                # append for all (a job of another kind waits its turn, in order).
+                jobs = [job]
+                while len(jobs) < _RESULTS_AT_ONCE and not queue.empty():
+                    following = queue.get_nowait()
+                    if following.kind != "result":
+                        held = following
+                        break
+                    jobs.append(following)
+                await self._results(jobs)
+                continue
             try:
                 await self._handle(job)
             except Exception as exc:
                 # A failed write must not stop the writer (other episodes keep going); it is
                 # counted, logged, and kept for the episode's attempt (finish_episode says so).
-                error = exc
-                self.counters["errors"] += 1
-                self.last_error = f"{job.kind} of {job.episode_id}: {exc}"
-                log.error("storage: %s", self.last_error)
+                self._write_failed(job, exc)
                 if (job.episode_id is not None and job.kind in ("begin", "step", "finish")
                         and self._attempts.get(job.episode_id) == job.attempt):
                     self._failed.setdefault(job.episode_id, f"{job.kind}: {exc}")
             finally:
                 if job.done is not None and not job.done.done():
-                    if error is not None and job.kind == "result":
-                        job.done.set_exception(error)
-                    else:
-                        job.done.set_result(None)
+                    job.done.set_result(None)
+
+    def _write_failed(self, job: _Job, exc: Exception) -> None:
+        self.counters["errors"] += 1
+        self.last_error = f"{job.kind} of {job.episode_id}: {exc}"
+        log.error("storage: %s", self.last_error)
 
     def _episode_dir(self, episode_id: str) -> Path:
         path = self._dirs.get(episode_id)
@@ -404,9 +429,6 @@ class StorageActor:
         episode_id = job.episode_id
         if job.kind == "begin":
             await self._begin(job)
-            return
-        if job.kind == "result":
-            await self._result(job)
             return
         staging = self._staging.get(episode_id)
         if (self._attempts.get(episode_id) != job.attempt or staging is None
@@ -465,14 +487,52 @@ class StorageActor:
         data = None if task is None else json.dumps(task, indent=2, ensure_ascii=False).encode()
         await asyncio.to_thread(_begin, self._attempts_dir, previous, name, data, self.cfg.fsync)
 
-    async def _result(self, job: _Job) -> None:
+    async def _results(self, jobs: list[_Job]) -> None:
+        """Result jobs (``record_results``): what each needs is decided here, the file work
+        and the append of every line done in one thread call; each job's ``done`` answers."""
+        plans: list[_ResultPlan] = []
+        for job in jobs:
+            try:
+                plans.append(self._plan_result(job))
+            except Exception as exc:  # a name that leaves its directory: that record only
+                self._result_failed(job, exc)
+        if plans:
+            assert self._results_lock is not None
+            async with self._results_lock:
+                try:
+                    errors = await asyncio.to_thread(_record_results, plans,
+                                                     self.run_dir / RESULTS_FILE,
+                                                     self.cfg.fsync)
+                except Exception as exc:  # the append itself (disk full): every line of it
+                    errors = [exc] * len(plans)
+            for plan, error in zip(plans, errors, strict=True):
+                if error is not None:
+                    self._result_failed(plan.job, error)
+                    continue
+                self.counters["results"] += 1
+                if plan.promoted:
+                    self.counters["episodes"] += 1
+                assert plan.job.done is not None
+                plan.job.done.set_result(None)
+                self._published(plan.record)
+
+    def _result_failed(self, job: _Job, exc: Exception) -> None:
+        self._write_failed(job, exc)
+        assert job.done is not None
+        job.done.set_exception(exc)
+
+    def _plan_result(self, job: _Job) -> _ResultPlan:
         episode_id = job.episode_id
         assert episode_id is not None
         record = job.payload["record"]
+        staged = job.payload.get("staging")
+        # Names first: a bad one fails this record before anything is forgotten.
+        own = self._staged_path(staged) if staged is not None else None
+        discard = [self._staged_path(name) for name in job.payload.get("discard") or ()]
+        directory = self._episode_dir(episode_id)
         failed = self._failed.pop(episode_id, None)
         begun = self._attempts.pop(episode_id, None)
         unfinished = self._staging.pop(episode_id, None)  # began, never finished: its runner died
-        directory = self._episode_dir(episode_id)
         self._dirs.pop(episode_id, None)
         self._recorded[episode_id] = job.attempt
         self._recorded.move_to_end(episode_id)
@@ -482,19 +542,18 @@ class StorageActor:
             # Its files are incomplete: never a result that claims them.
             record = {**record, "status": "infra_error", "reward": None,
                       "error": f"storage: {failed}"}
-        if begun != job.attempt or unfinished is not None:
-            # The directory must describe this line's attempt: another attempt's files are
-            # replaced (this one never got a desktop), or the files of this one, as far as
-            # they got, are moved into place with the line's record.
-            staging = self._attempts_dir / unfinished if unfinished is not None else None
-            await asyncio.to_thread(_settle, staging, directory, record, begun == job.attempt,
-                                    self.cfg.fsync)
-        assert self._results_lock is not None
-        async with self._results_lock:
-            await asyncio.to_thread(append_text, self.run_dir / RESULTS_FILE,
-                                    _dumps(record) + "\n", fsync=self.cfg.fsync)
-        self.counters["results"] += 1
-        self._published(record)
+        plan = _ResultPlan(job, record, directory, discard=discard)
+        unfinished_path = self._attempts_dir / unfinished if unfinished is not None else None
+        if begun == job.attempt:
+            # This actor wrote the attempt's files: in place at its finish, or (its runner
+            # died first) moved there now with the line's record.
+            if unfinished_path is not None:
+                plan.settle, plan.same_attempt = unfinished_path, True
+        else:
+            # Its runner wrote them (``own``), or the attempt never began: then the
+            # directory is made to describe this line's attempt (``_settle``).
+            plan.own, plan.settle, plan.must_settle = own, unfinished_path, True
+        return plan
 
     def _staged_path(self, name: str) -> Path:
         """A staging directory by name (one path component in ``.attempts``)."""
@@ -609,6 +668,55 @@ def _settle(staging: Path | None, directory: Path, record: dict[str, Any], same_
     write_atomic(directory / EPISODE_FILE,
                  json.dumps(record, indent=2, ensure_ascii=False, default=str).encode(),
                  fsync=fsync)
+
+
+@dataclass
+class _ResultPlan:
+    """What one result needs on disk before its line (decided on the actor's loop)."""
+
+    job: _Job
+    record: dict[str, Any]
+    directory: Path
+    discard: list[Path] = field(default_factory=list)  # earlier dispatches' staging dirs
+    own: Path | None = None      # the staging directory its runner wrote
+    settle: Path | None = None   # an attempt of this actor's that never finished
+    same_attempt: bool = False   # ``settle`` is the line's attempt
+    must_settle: bool = False    # settle even without ``settle`` (``own`` missing)
+    promoted: bool = False       # set in the thread: an attempt's files moved into place
+
+
+def _record_results(plans: list[_ResultPlan], results: Path, fsync: bool
+                    ) -> list[Exception | None]:
+    """Each plan's files put in place, then the lines of those that were, in one append."""
+    errors: list[Exception | None] = []
+    lines = []
+    for plan in plans:
+        try:
+            _place(plan, fsync)
+        except Exception as exc:
+            errors.append(exc)
+            continue
+        errors.append(None)
+        lines.append(_dumps(plan.record) + "\n")
+    if lines:
+        append_text(results, "".join(lines), fsync=fsync)
+    return errors
+
+
+def _place(plan: _ResultPlan, fsync: bool) -> None:
+    for path in plan.discard:
+        shutil.rmtree(path, ignore_errors=True)
+    if plan.own is not None and plan.own.is_dir():
+        finished = (plan.own / EPISODE_FILE).is_file()  # else its runner died first
+        if plan.settle is not None:  # another attempt's, of this actor's: superseded
+            shutil.rmtree(plan.settle, ignore_errors=True)
+        plan.promoted = _promote(plan.own, plan.directory, fsync)
+        if not finished:
+            write_atomic(plan.directory / EPISODE_FILE,
+                         json.dumps(plan.record, indent=2, ensure_ascii=False,
+                                    default=str).encode(), fsync=fsync)
+    elif plan.settle is not None or plan.must_settle:
+        _settle(plan.settle, plan.directory, plan.record, plan.same_attempt, fsync)
 
 
 def _rewrite_for(directory: Path, record: dict[str, Any], fsync: bool) -> None:
@@ -823,18 +931,22 @@ def _read_probe(path: Path) -> str | None:
 class EpisodeWriter:
     """A runner's handle on the files of one episode attempt. Where its process writes step
     files itself (``files``, ``StepFiles``), they go from a file thread into the attempt's
-    staging directory and the storage actor hears only begin and finish; else each write is
-    a call to the storage actor (a Ray actor handle or a local ``StorageActor``). Either way
-    one write is in flight at a time: the files are written in step order, and a disk (or a
-    storage) that falls behind slows this episode down instead of piling screenshots up in
-    the runner's memory. A write that fails is kept; ``finish`` answers with it."""
+    staging directory and the storage actor hears nothing of them (the coordinator's
+    ``record_results`` names the directory); else each write is a call to the storage
+    actor (a Ray actor handle or a local ``StorageActor``). Either way one write is in
+    flight at a time: the files are written in step order, and a disk (or a storage) that
+    falls behind slows this episode down instead of piling screenshots up in the runner's
+    memory. A write that fails is kept; ``finish`` answers with it."""
 
     def __init__(self, storage: Any, episode_id: str, attempt: int,
-                 files: StepFiles | None = None) -> None:
+                 files: StepFiles | None = None, nonce: str | None = None) -> None:
         self.storage = StorageClient(storage)
         self.episode_id = episode_id
         self.attempt = attempt
         self.files = files
+        # The dispatch's (``EpisodeSpec.nonce``): the coordinator names the same staging
+        # directory when it records the attempt.
+        self.nonce = nonce or uuid.uuid4().hex[:12]
         self.failed: str | None = None  # the first write of this process's that failed
         self._staging: str | None = None  # the attempt's staging name, when written here
         self._path: Path | None = None
@@ -845,8 +957,7 @@ class EpisodeWriter:
         await self.flush()
         if self.files is not None and await self.files.local():
             assert self.files.attempts is not None
-            name = staging_name(self.episode_id, self.attempt, uuid.uuid4().hex[:12])
-            await self.storage.begin_staged(self.episode_id, self.attempt, name)
+            name = staging_name(self.episode_id, self.attempt, self.nonce)
             self._staging, self._path = name, self.files.attempts / name
             self._pending = self.files.submit(self._begin_here, task)
         else:
@@ -873,17 +984,32 @@ class EpisodeWriter:
 
     async def finish(self, record: dict[str, Any],
                      messages: list[dict[str, Any]] | None) -> str | None:
-        """episode.json, result.txt and messages.json of the attempt, written and moved into
-        place; returns None, or the first write of the attempt that failed (its files are
-        incomplete)."""
+        """episode.json, result.txt and messages.json of the attempt, written (and, by the
+        storage actor, moved into place; a staging directory of this process's moves when
+        the attempt is recorded); returns None, or the first write of the attempt that
+        failed (its files are incomplete)."""
         await self.flush()
         if self.files is None or self._staging is None:
             return await self.storage.finish_episode(self.episode_id, self.attempt, record,
                                                      messages)
         self._pending = self.files.submit(self._finish_here, record, messages)
         await self.flush()
-        return await self.storage.finish_staged(self.episode_id, self.attempt, self._staging,
-                                                self.failed)
+        return self.failed
+
+    @property
+    def staging(self) -> str | None:
+        """The attempt's staging directory (a name in ``.attempts``) when this process
+        writes its files, which ``record_results`` moves into place."""
+        return self._staging
+
+    async def forget(self) -> None:
+        """The attempt ends without a results line (cancelled, which happens when a run
+        stops): the storage actor forgets an attempt it writes; a staging directory of this
+        process's stays (a reader of the stopped run sees what the attempt did) until the
+        run's end or next start sweeps the staging area."""
+        await self.flush()
+        if self.files is None or self._path is None:
+            await self.storage.forget_episode(self.episode_id, self.attempt)
 
     async def flush(self) -> None:
         """Wait for the write in flight (it is not cut short when the wait is cancelled, and

@@ -24,7 +24,7 @@ from cua_rollout.runtime.runner import TrajectoryRunner
 from cua_rollout.runtime.storage import StorageActor
 from tests.doubles.fake_desktop import FakeDesktop, FakeProvider
 from tests.doubles.fake_openai import FakeOpenAIServer
-from tests.support import REPO_ROOT
+from tests.support import REPO_ROOT, run_recorded
 
 ROOT = REPO_ROOT
 SCREEN = (1280, 720)
@@ -65,9 +65,8 @@ class World:
         return self.cfg.run_dir
 
     async def run(self, task: dict[str, Any] = TASK, rollout: int = 0) -> EpisodeResult:
-        result = await self.runner.run_episode(EpisodeSpec(task["id"], "d", rollout, task))
-        await self.storage.flush()  # the runner's writes are queued; read them on disk
-        return result
+        return await run_recorded(self.runner, self.storage,
+                                  EpisodeSpec(task["id"], "d", rollout, task))
 
     def traj(self, episode: str = "d/t1/0") -> list[dict[str, Any]]:
         text = (self.run_dir / episode / "traj.jsonl").read_text()

@@ -131,13 +131,16 @@ async def test_a_rejected_api_key_stops_the_run_and_records_nothing(make_world):
     assert stats["episodes_queued"] == 5 and stats["episodes_done"] == 0
 
 
-async def test_a_result_the_storage_cannot_write_stops_the_run(make_world):
+@pytest.mark.parametrize("how", ["the call fails", "it answers why"])
+async def test_a_result_the_storage_cannot_write_stops_the_run(make_world, how):
     world = await make_world()
 
-    async def full_disk(record: dict[str, Any]) -> None:
-        raise OSError(28, "No space left on device")
+    async def full_disk(items: list[Any]) -> list[str | None]:
+        if how == "the call fails":
+            raise OSError(28, "No space left on device")
+        return ["results.jsonl: [Errno 28] No space left on device"] * len(items)
 
-    world.storage.record_result = full_disk  # type: ignore[method-assign]
+    world.storage.record_results = full_disk  # type: ignore[method-assign]
     await world.coordinator.submit(specs(3))
     stats = await world.until(lambda s: s["fatal"] and not s["episodes_in_flight"])
     assert stats["fatal"].startswith("storage: cannot record episode d/t")

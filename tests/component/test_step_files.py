@@ -19,7 +19,7 @@ import pytest
 
 import cua_rollout.runtime.storage as storage_module
 from cua_rollout.config import StorageConfig, load_config
-from cua_rollout.core.errors import ConfigError
+from cua_rollout.core.errors import ConfigError, StorageError
 from cua_rollout.core.layout import ATTEMPTS_DIR, RESULTS_FILE, staging_name
 from cua_rollout.core.types import EpisodeSpec
 from cua_rollout.runtime.coordinator import AgentCoordinator
@@ -93,7 +93,10 @@ async def test_a_runner_that_sees_the_run_directory_writes_the_step_files_itself
     assert sorted(p.name for p in (run / ATTEMPTS_DIR / name).iterdir()) == [
         "step_0.png", "step_1.png", "task_config.json", "traj.jsonl"]
     assert await writer.finish(record(), [{"role": "user"}]) is None
-    await storage.record_result(record())
+    assert (run / ATTEMPTS_DIR / name / "episode.json").is_file()
+    assert not (run / EPISODE).exists(), "moved into place when it is recorded"
+    assert writer.staging == name == staging_name(EPISODE, 0, writer.nonce)
+    await storage.record_result(record(), writer.staging)
     await storage.close()
 
     expected = ["episode.json", "messages.json", "result.txt", "step_0.png", "step_1.png",
@@ -115,30 +118,35 @@ async def test_a_runner_that_sees_the_run_directory_writes_the_step_files_itself
 
 async def test_a_stale_attempts_writes_never_reach_the_episodes_directory(tmp_path: Path):
     """Attempt 0's runner is declared dead but keeps running: it writes after attempt 1 began
-    elsewhere, finishes after it, and even begins again after attempt 1's results line."""
+    elsewhere, finishes after it, writes after attempt 1's results line, and even begins
+    again. Only attempt 1's staging directory is recorded; attempt 0's is discarded."""
     run = tmp_path / "run"
     storage = await started(run)
     dead, alive = files_of(storage, name="r0"), files_of(storage, name="r1")
-    old = EpisodeWriter(storage, EPISODE, 0, dead)
+    old = EpisodeWriter(storage, EPISODE, 0, dead, nonce="n0")
     await old.begin(TASK)
     await old.step({"step_num": 1, "attempt": 0}, "step_1.png", PNG)
     await old.flush()
 
-    new = EpisodeWriter(storage, EPISODE, 1, alive)
-    await new.begin(TASK)  # removes attempt 0's staging directory
+    new = EpisodeWriter(storage, EPISODE, 1, alive, nonce="n1")
+    await new.begin(TASK)
     await old.step({"step_num": 2, "attempt": 0}, "step_2.png", PNG)
-    assert await old.finish(record(attempt=0), None) is None  # superseded: not moved
-    assert old.failed is not None and "No such file or directory" in old.failed
+    assert await old.finish(record(attempt=0), None) is None  # into its own directory
     assert not (run / EPISODE).exists()
     await new.step({"step_num": 1, "attempt": 1}, "step_1.png", PNG_1)
     assert await new.finish(record(attempt=1), None) is None
-    await storage.record_result(record(attempt=1))
+    assert sorted(staged(run)) == sorted([old.staging, new.staging])
+    await storage.record_result(record(attempt=1), new.staging, [old.staging])
+    assert staged(run) == [], "attempt 0's directory is discarded, attempt 1's moved"
 
-    late = EpisodeWriter(storage, EPISODE, 0, dead)  # its runner wakes up once more
+    await old.step({"step_num": 3, "attempt": 0}, "step_3.png", PNG)  # its runner wakes up
+    await old.flush()
+    assert old.failed is not None and "No such file or directory" in old.failed
+    late = EpisodeWriter(storage, EPISODE, 0, dead, nonce="n2")  # and begins once more
     await late.begin(TASK)
     await late.step({"step_num": 1, "attempt": 0}, "step_1.png", PNG)
     assert await late.finish(record(attempt=0), None) is None
-    await storage.close()
+    assert staged(run) == [late.staging], "never recorded: never moved"
 
     directory = run / EPISODE
     assert sorted(p.name for p in directory.iterdir()) == [
@@ -146,10 +154,11 @@ async def test_a_stale_attempts_writes_never_reach_the_episodes_directory(tmp_pa
     assert traj(directory) == [{"step_num": 1, "attempt": 1}]
     assert (directory / "step_1.png").read_bytes() == PNG_1
     assert json.loads((directory / "episode.json").read_text())["attempt"] == 1
-    assert storage.stats()["dropped_stale"] == 3  # old finish, late begin, late finish
-    assert staged(run) == [], "the stale attempts' staging directories are removed"
     lines = (run / RESULTS_FILE).read_text().splitlines()
     assert [json.loads(x)["attempt"] for x in lines] == [1]
+    await storage.end_run("finished")
+    await storage.close()
+    assert not (run / ATTEMPTS_DIR).exists(), "the end of the run sweeps the staging area"
     for files in (dead, alive):
         files.close()
 
@@ -169,7 +178,10 @@ async def test_a_runner_that_does_not_see_the_run_directory_sends_its_steps(
     await writer.step(None, "step_0.png", PNG)
     await writer.step({"step_num": 1, "done": True})
     assert await writer.finish(record(), None) is None
-    await storage.record_result(record())
+    assert writer.staging is None
+    # The coordinator names the dispatch's staging directory either way: this actor's
+    # own attempt wins.
+    await storage.record_result(record(), staging_name(EPISODE, 0, writer.nonce))
     assert files.mode == "storage" and files.counters["steps"] == 0
     stats = storage.stats()
     assert (stats["steps"], stats["screenshots"]) == (1, 1)
@@ -200,13 +212,51 @@ async def test_an_attempt_that_never_finished_is_recorded_with_the_files_it_wrot
     await writer.step(None, "step_0.png", PNG)
     await writer.flush()
     died = {**record(status="infra_error"), "error": "runner runner-0 died"}
-    await storage.record_result(died)
+    await storage.record_result(died, writer.staging)
     await storage.close()
     directory = run / EPISODE
     assert sorted(p.name for p in directory.iterdir()) == [
         "episode.json", "step_0.png", "task_config.json"]
     assert json.loads((directory / "episode.json").read_text())["error"] == died["error"]
     assert staged(run) == []
+    files.close()
+
+
+async def test_a_batch_of_results_is_placed_and_appended_at_once(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """``record_results``: every episode of the batch moved into place before the lines,
+    which go in one append, in the batch's order."""
+    run = tmp_path / "run"
+    storage = await started(run)
+    files = files_of(storage)
+    writers = [EpisodeWriter(storage, f"d/t/{n}", 0, files) for n in range(6)]
+    for n, writer in enumerate(writers):
+        await writer.begin(TASK)
+        await writer.step({"step_num": 1, "n": n}, "step_1.png", PNG)
+        assert await writer.finish(record(f"d/t/{n}"), None) is None
+    appends: list[tuple[list[str], list[str]]] = []
+    real_append = storage_module.append_text
+
+    def append(path: Path, text: str, **kw: Any) -> None:
+        if path.name == RESULTS_FILE:
+            placed = sorted(p.name for p in (run / "d" / "t").iterdir())
+            appends.append(([json.loads(x)["episode_id"] for x in text.splitlines()], placed))
+        real_append(path, text, **kw)
+
+    monkeypatch.setattr(storage_module, "append_text", append)
+    order = [3, 0, 5, 1, 4, 2]
+    errors = await storage.record_results([(record(f"d/t/{n}"), writers[n].staging, [])
+                                           for n in order])
+    assert errors == [None] * 6
+    assert sum(len(ids) for ids, _ in appends) == 6 and len(appends) <= 4  # its writers
+    for ids, placed in appends:
+        assert set(x.rsplit("/", 1)[1] for x in ids) <= set(placed)
+    lines = [json.loads(x)["episode_id"] for x in (run / RESULTS_FILE).read_text().splitlines()]
+    assert sorted(lines) == sorted(f"d/t/{n}" for n in range(6))
+    for n in range(6):
+        assert traj(run / f"d/t/{n}") == [{"step_num": 1, "n": n}]
+    assert staged(run) == [] and storage.stats()["episodes"] == 6
+    await storage.close()
     files.close()
 
 
@@ -223,10 +273,17 @@ async def test_the_storage_refuses_a_staging_name_that_is_not_one_component(tmp_
     run = tmp_path / "run"
     storage = await started(run)
     (tmp_path / "escape").mkdir()  # what "../escape" would name from the staging area
-    await storage.begin_staged(EPISODE, 0, "../../escape")
-    failed = await storage.finish_staged(EPISODE, 0, "../../escape", None)
-    assert failed is not None and "is not a name in .attempts" in failed
+    for staging, discard in (("../../escape", []), (None, ["../../escape"]), ("", [])):
+        with pytest.raises(StorageError, match=r"is not a name in \.attempts"):
+            await storage.record_result(record(), staging, discard)
+    # The other records of a batch are written.
+    errors = await storage.record_results([(record(), "../x", []),
+                                           (record("d/t/1"), None, [])])
+    assert errors[0] is not None and "is not a name in .attempts" in errors[0]
+    assert errors[1] is None
     assert (tmp_path / "escape").is_dir() and not (run / EPISODE).exists()
+    lines = (run / RESULTS_FILE).read_text().splitlines()
+    assert [json.loads(x)["episode_id"] for x in lines] == ["d/t/1"]
     await storage.close()
 
 

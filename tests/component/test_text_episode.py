@@ -28,6 +28,7 @@ from cua_rollout.text.benchmark import text_task
 from cua_rollout.text.envs import ToolEnv
 from cua_rollout.text.metrics import JUDGE_SYSTEM_PROMPT
 from tests.doubles.fake_openai import FakeOpenAIServer
+from tests.support import run_recorded
 
 QUESTION = "What is six times seven?"
 BENCH = "bench"
@@ -134,9 +135,8 @@ class World:
 
     async def run(self, task: dict[str, Any] | None = None) -> EpisodeResult:
         task = task or make_task()
-        result = await self.runner.run_episode(EpisodeSpec(task["id"], BENCH, 0, task))
-        await self.storage.flush()
-        return result
+        return await run_recorded(self.runner, self.storage,
+                                  EpisodeSpec(task["id"], BENCH, 0, task))
 
     def episode_dir(self, task_id: str = "q1") -> Path:
         return self.run_dir / BENCH / task_id / "0"

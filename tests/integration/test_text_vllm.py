@@ -48,7 +48,7 @@ from cua_rollout.cli.tiny_models import build_tiny_model
 from cua_rollout.config import ModelPoolConfig
 from cua_rollout.model.fleet.launch import replica_command, replica_env
 from cua_rollout.model.fleet.processes import exit_status, log_tail, spawn, stop_group
-from tests.support import unavailable
+from tests.support import run_recorded, unavailable
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -378,7 +378,7 @@ async def test_the_tool_calling_agent_runs_a_text_episode_on_real_vllm(tool_vllm
         task = text_task({"id": "q1", "question": "Say hello.", "answer": "hello"},
                          mode="py", benchmark="echo", metric="contains_answer",
                          variant="normalized", tolerance=1e-6)
-        result = await runner.run_episode(EpisodeSpec("q1", "echo", 0, task))
+        result = await run_recorded(runner, storage, EpisodeSpec("q1", "echo", 0, task))
     finally:
         await runner.close()
         await storage.close()

@@ -79,6 +79,24 @@ async def side_by_side(
         await pool.stop()
 
 
+async def run_recorded(runner: Any, storage: Any, spec: Any) -> Any:
+    """Run ``spec`` on ``runner`` as the coordinator dispatches and records it: a nonce of
+    the dispatch, then (unless cancelled) its results line, which moves the files the
+    runner staged into the episode's directory. Returns the result."""
+    import dataclasses
+    import uuid
+
+    from cua_rollout.core.layout import staging_name
+
+    spec = dataclasses.replace(spec, nonce=uuid.uuid4().hex[:12])
+    result = await runner.run_episode(spec)
+    if result.status != "cancelled":
+        await storage.record_result(result.record(),
+                                    staging_name(spec.episode_id, spec.attempt, spec.nonce))
+    await storage.flush()
+    return result
+
+
 async def release_and_check(pool: Any, leases: list[Any], timeout_s: float = 30.0) -> None:
     """Release ``leases`` and wait for their resets; every reset must pass its check."""
     for lease in leases:
