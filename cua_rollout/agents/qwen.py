@@ -118,7 +118,7 @@ def read_calls(text: str, tool_calls: list[dict[str, Any]] | None
         if isinstance(arguments, str):
             try:
                 arguments = json.loads(arguments or "{}")
-            except ValueError:
+            except (ValueError, RecursionError):
                 raise ActionParseError("a tool call's arguments are not JSON",
                                        arguments) from None
         calls.append((str(function.get("name")), arguments))
@@ -129,7 +129,7 @@ def read_calls(text: str, tool_calls: list[dict[str, Any]] | None
     for body in _INLINE.findall(text):
         try:
             call = json.loads(body)
-        except ValueError:
+        except (ValueError, RecursionError):
             raise ActionParseError("a <tool_call> is not JSON", text) from None
         if not isinstance(call, dict):
             raise ActionParseError("a <tool_call> is not a JSON object", text)
@@ -299,11 +299,13 @@ class QwenComputerUseAgent:
     def parse(self, text: str, shot: Screenshot,
               tool_calls: list[dict[str, Any]] | None = None) -> QwenReply:
         raw, thought = read_calls(text, tool_calls)
+        # What a failure keeps: the reply's text, or its calls when it has no text.
+        kept = text if text.strip() or not tool_calls else json.dumps(tool_calls)
         if not raw:
-            raise ActionParseError("the reply calls no tool", text)
+            raise ActionParseError("the reply calls no tool", kept)
         if len(raw) > self.q.max_calls_per_reply:
             raise ActionParseError(f"{len(raw)} tool calls in one reply (at most "
-                                   f"{self.q.max_calls_per_reply})", text)
+                                   f"{self.q.max_calls_per_reply})", kept)
         frame = self.frame(shot)
         calls = []
         for name, arguments in raw:

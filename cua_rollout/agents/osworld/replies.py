@@ -76,9 +76,10 @@ def _literal_point(call: ast.Call) -> tuple[Any, Any] | None:
         x, y = keywords["x"], keywords["y"]
     else:
         return None
-    if isinstance(x, ast.Constant) and isinstance(y, ast.Constant):
-        return x.value, y.value
-    return None
+    try:  # literals only (-5 included); names and expressions are not checked
+        return ast.literal_eval(x), ast.literal_eval(y)
+    except (ValueError, TypeError, RecursionError):
+        return None
 
 
 def _check_code(code: str, text: str, width: int, height: int,
@@ -87,9 +88,12 @@ def _check_code(code: str, text: str, width: int, height: int,
     defined first. Its first line is a simple statement (the desktop prefixes imports)."""
     try:
         tree = ast.parse(code)
+        compile(tree, "<reply>", "exec")
     except SyntaxError as exc:
         raise ActionParseError(f"the code does not compile: {exc.msg} (line {exc.lineno})",
                                text) from None
+    except (ValueError, RecursionError, MemoryError) as exc:  # NUL bytes, deep nesting
+        raise ActionParseError(f"the code does not compile: {exc}", text) from None
     tags: dict[int, Mark] = {}
     by_index = {m.index: m for m in marks or ()}
     for node in ast.walk(tree):
@@ -155,12 +159,14 @@ def read_computer13(text: str, width: int, height: int) -> Reading:
     code: list[str] = []
     record: list[dict[str, Any]] = []
     for body in bodies:
+        if not body:
+            continue
         if body in SPECIAL_TYPES:
             parsed: Any = body
         else:
             try:
                 parsed = json.loads(body)
-            except ValueError as exc:
+            except (ValueError, RecursionError) as exc:
                 raise ActionParseError(f"an action is not JSON ({exc})", text) from None
         try:
             action = validate(parsed, width, height)
