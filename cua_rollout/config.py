@@ -49,7 +49,9 @@ __all__ = [
     "ModelConfig",
     "ModelPoolConfig",
     "MonitoringConfig",
+    "OSWorldPromptConfig",
     "PyToolConfig",
+    "QwenComputerUseConfig",
     "RagToolConfig",
     "RayConfig",
     "Removed",
@@ -896,14 +898,68 @@ class CoordinatorConfig(_Section):
         return self
 
 
+class OSWorldPromptConfig(_Section):
+    """``agent.name: osworld-prompt``: OSWorld's prompt agent (cua_rollout/agents/osworld/;
+    docs/agents.md), for any chat model, vision or not."""
+
+    observation_type: Literal["screenshot", "a11y_tree", "screenshot_a11y_tree", "som"] = (
+        "screenshot_a11y_tree")
+    """What the model sees each step: the screenshot, the linearized accessibility tree,
+    both, or ``som`` (the screenshot with numbered boxes drawn from the tree, and their
+    table). Every kind but ``screenshot`` fetches the desktop's tree each step."""
+    action_space: Literal["pyautogui", "computer_13"] = "pyautogui"
+    """How it answers: Python code blocks using pyautogui, or ``computer_13`` JSON actions
+    (not with ``som``, as in OSWorld)."""
+    max_trajectory_length: NonNegInt = 3
+    """Past steps (observation and reply) kept in a request (OSWorld's default, 3)."""
+    a11y_tree_max_chars: PositiveInt = 40000
+    """The linearized tree is cut past this many characters (OSWorld: 10,000 GPT-4 tokens,
+    counted with tiktoken, whose vocabulary is downloaded at run time)."""
+    password: str | None = "password"
+    """The sudo password the prompt gives the model (OSWorld's images: ``password``; null:
+    none is given)."""
+
+    @model_validator(mode="after")
+    def _som_writes_code(self) -> OSWorldPromptConfig:
+        if self.observation_type == "som" and self.action_space != "pyautogui":
+            raise ValueError("observation_type som needs action_space pyautogui (its marks "
+                             "are names in the code)")
+        return self
+
+
+class QwenComputerUseConfig(_Section):
+    """``agent.name: qwen-computer-use``: Qwen2.5-VL / Qwen3-VL's ``computer_use`` function
+    tool (cua_rollout/agents/qwen.py; docs/agents.md). Screenshots in a request:
+    ``agent.history_images``; pixel bounds: ``agent.min_pixels`` / ``max_pixels``."""
+
+    coordinates: Literal["absolute", "relative"] = "absolute"
+    """``absolute``: pixels of the ``smart_resize``d screenshot (Qwen2.5-VL); ``relative``:
+    0..1000 on each axis (Qwen3-VL)."""
+    send_tools: bool = True
+    """Send the tool as OpenAI ``tools`` (the server's chat template describes it, its tool
+    parser returns ``tool_calls``: vLLM's ``--enable-auto-tool-choice --tool-call-parser
+    hermes``). False: describe it in the system prompt ourselves and read the
+    ``<tool_call>`` blocks of the reply's text (a server without a tool parser). Calls
+    written inline are read either way."""
+    max_calls_per_reply: PositiveInt = 5
+    """Tool calls of one reply that run (in order); a reply with more is a parse failure."""
+
+
 class AgentConfig(_Section):
     """The agent: what turns a screenshot and the history into a request, and a reply into
-    actions (cua_rollout/agents/). ``name`` picks a registered agent."""
+    actions (cua_rollout/agents/; docs/agents.md). ``name`` picks a registered agent."""
 
-    name: Literal["uitars-1.5", "uitars-1.0"] = "uitars-1.5"
-    """The UI-TARS family, by its coordinates: ``uitars-1.5`` answers in pixels of the
-    resized screenshot, ``uitars-1.0`` in relative units 0..1000. (Text tasks are played by
-    the tool-calling agent of their mode: ``text.*``.)"""
+    name: Literal["uitars-1.5", "uitars-1.0", "osworld-prompt", "qwen-computer-use"] = (
+        "uitars-1.5")
+    """The agent. ``uitars-1.5`` / ``uitars-1.0``: UI-TARS, answering in pixels of the
+    resized screenshot / relative units 0..1000; ``osworld-prompt``: OSWorld's prompt agent
+    (``agent.osworld_prompt``); ``qwen-computer-use``: Qwen-VL's computer-use tool
+    (``agent.qwen_computer_use``). (Text tasks are played by the tool-calling agent of their
+    mode: ``text.*``.)"""
+    osworld_prompt: OSWorldPromptConfig = OSWorldPromptConfig()
+    """The settings of ``osworld-prompt``."""
+    qwen_computer_use: QwenComputerUseConfig = QwenComputerUseConfig()
+    """The settings of ``qwen-computer-use``."""
     history_images: PositiveInt = 5
     """Screenshots in a request, the current one included (UI-TARS's ``history_n``)."""
     history_texts: PositiveInt = 35
@@ -935,6 +991,20 @@ class AgentConfig(_Section):
     of that constrained process, not of the free model; each step records ``constrained``.
     Needs ``model.sampling.max_tokens`` >= the grammar's longest reply (checked at the
     run's start)."""
+
+    @model_validator(mode="after")
+    def _agent_fits(self) -> AgentConfig:
+        if self.constrain_actions and not self.name.startswith("uitars-"):
+            raise ValueError(f"constrain_actions is the UI-TARS action grammar; agent "
+                             f"{self.name} has none")
+        o = self.osworld_prompt
+        if (self.name == "osworld-prompt" and o.observation_type != "a11y_tree"
+                and o.max_trajectory_length + 1 > self.history_images):
+            # The model servers take history_images images per prompt (run_model.py).
+            raise ValueError(f"osworld_prompt.max_trajectory_length "
+                             f"({o.max_trajectory_length}) + the current screenshot is more "
+                             f"than history_images ({self.history_images}) images a request")
+        return self
 
 
 class RunnerConfig(_Section):

@@ -27,6 +27,8 @@ __all__ = ["AGENTS", "Agent", "AgentRequest", "Decision", "ParseRecord", "agent_
 AGENTS: dict[str, str] = {
     "uitars-1.5": "cua_rollout.agents.uitars.agent:UITars15Agent",
     "uitars-1.0": "cua_rollout.agents.uitars.agent:UITars10Agent",
+    "osworld-prompt": "cua_rollout.agents.osworld.agent:OSWorldPromptAgent",
+    "qwen-computer-use": "cua_rollout.agents.qwen:QwenComputerUseAgent",
 }
 
 
@@ -42,6 +44,10 @@ class AgentRequest:
     least_tokens: tuple[int, str] | None = None
     tools: list[dict[str, Any]] | None = None   # OpenAI tools offered (None: a text reply)
     tool_choice: str | None = None
+    # What the model was shown besides the screenshot, kept with the step for the viewer:
+    # the accessibility tree as the prompt has it, the screenshot with marks drawn on it.
+    a11y_tree: str | None = None
+    marked: Screenshot | None = None
 
 
 class ParseRecord(NamedTuple):
@@ -77,11 +83,17 @@ class Agent(Protocol):
     in a text episode, whose observations are the tool results in its conversation)."""
 
     name: str
+    action_format: str       # how its replies say actions (traj.jsonl's ``action_format``)
     constrained: bool        # replies are sampled under ``AgentRequest.regex``
     max_parse_retries: int   # re-asks after an unparseable reply before FAIL
+    # The step's observation includes the desktop's accessibility tree (the episode loop
+    # fetches it, ``DesktopProbe.accessibility_tree``, and passes it to ``request``).
+    observes_a11y_tree: bool
 
-    def request(self, observation: Screenshot | None) -> AgentRequest:
-        """The request for the step that starts from ``observation``."""
+    def request(self, observation: Screenshot | None,
+                a11y_tree: str | None = None) -> AgentRequest:
+        """The request for the step that starts from ``observation`` (and the desktop's
+        accessibility tree XML, when the agent observes it)."""
         ...
 
     def parse(self, text: str, observation: Screenshot | None,

@@ -2,6 +2,13 @@
 it replays each task's ``reference_solution`` (task from the prompt's instruction, step from
 the assistant turns), ``error_rate`` adding wrong clicks and early ``finished``. No weights.
 
+The solutions are written as UI-TARS replies; asked by another agent, the policy answers the
+same actions in that agent's format (``convert``): OSWorld's prompt agent gets fenced
+pyautogui code or computer_13 JSON actions, Qwen's computer-use agent ``computer_use`` tool
+calls (as ``tool_calls`` when the request offers the tool, else inline ``<tool_call>``
+blocks), each reply marked with its step (``[reference step N]``), since those agents'
+history windows drop early turns.
+
 Text benchmarks replay too: an item's ``metadata.reference_solution`` is a list of turns,
 each a tool call ``{"tool": name, "arguments": {...}}``, a list of them (parallel calls), or
 the final reply (a string, or ``{"answer": ...}``: a call of the ``answer`` tool); in an
@@ -27,16 +34,23 @@ from typing import Any
 
 import uvicorn
 
-from cua_rollout.agents.uitars import screen_to_model
+from cua_rollout.agents import qwen
+from cua_rollout.agents.osworld import prompt as osworld_prompt
+from cua_rollout.agents.uitars import Action, parse_response, screen_to_model, to_pyautogui
+from cua_rollout.agents.uitars.coordinates import frame_of
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.model.openai_server import ChatCall, Completion, OpenAIServer
 from cua_rollout.text.metrics import JUDGE_SYSTEM_PROMPT, score
 
-__all__ = ["MODEL_NAME", "ScriptedPolicy", "TextTurn", "load_solutions", "load_text_solutions",
-           "main", "scripted_server"]
+__all__ = ["MODEL_NAME", "ScriptedPolicy", "TextTurn", "convert", "load_solutions",
+           "load_text_solutions", "main", "scripted_server"]
 
 MODEL_NAME = "scripted-ui-tars"
 _INSTRUCTION_HEADER = "## User Instruction\n"
+# Where the other agents put the task (their prompts end with it).
+_TASK_HEADERS = (_INSTRUCTION_HEADER, osworld_prompt.TASK_HEADER, qwen.TASK_HEADER)
+_STEP_MARK = re.compile(r"\[reference step (\d+)\]")
+_RESOLUTION = re.compile(r"resolution is (\d+)x(\d+)")
 
 
 def load_solutions(roots: Iterable[Path]) -> dict[str, list[str]]:
@@ -125,7 +139,8 @@ class ScriptedPolicy:
         self.served = 0
         self.errors_injected = 0
 
-    def respond(self, messages: list[dict[str, Any]]) -> TextTurn:
+    def respond(self, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None = None) -> TextTurn:
         """The reply to a chat request: text and tool calls (name, arguments JSON)."""
         system = messages[0].get("content") if messages else None
         if system == JUDGE_SYSTEM_PROMPT:
@@ -134,7 +149,14 @@ class ScriptedPolicy:
         if _instruction(messages) is None and question is not None and (
                 question.strip() in self.text_solutions or messages[0].get("role") == "system"):
             return self._text(question.strip(), messages)
-        return self.reply(messages), []
+        fmt = _format(messages, tools)
+        if fmt == "uitars":
+            return self.reply(messages), []
+        marked = _STEP_MARK.search(_last_assistant_text(messages))
+        step = int(marked[1]) + 1 if marked else sum(
+            1 for m in messages if m.get("role") == "assistant")
+        return convert(self.reply(messages, step=step), fmt, self.screen, step=step,
+                       frame=_frame(messages, tools))
 
     def _text(self, question: str, messages: list[dict[str, Any]]) -> TextTurn:
         turns = self.text_solutions.get(question)
@@ -163,13 +185,15 @@ class ScriptedPolicy:
         verdict = score("contains_answer", found.group("answer"), refs)
         return "Correct" if verdict >= 1.0 else "Incorrect"
 
-    def reply(self, messages: list[dict[str, Any]]) -> str:
+    def reply(self, messages: list[dict[str, Any]], step: int | None = None) -> str:
+        """The UI-TARS reply of step ``step`` (default: the assistant turns so far)."""
         instruction = _instruction(messages)
         replies = self.solutions.get(instruction) if instruction is not None else None
         if replies is None:
             # Like a model that cannot solve it: give up (the episode scores as the task says).
             return "Thought: I do not know how to do this task.\nAction: call_user()"
-        step = sum(1 for m in messages if m.get("role") == "assistant")
+        if step is None:
+            step = sum(1 for m in messages if m.get("role") == "assistant")
         self.served += 1
         if self.error_rate and self.rng.random() < self.error_rate:
             self.errors_injected += 1
@@ -209,19 +233,158 @@ def _first_user_text(messages: list[dict[str, Any]]) -> str | None:
     return None
 
 
+def _texts(message: dict[str, Any]) -> list[str]:
+    content = message.get("content")
+    parts = [content] if isinstance(content, str) else [
+        p.get("text", "") for p in content or [] if isinstance(p, dict)]
+    return [t for t in parts if isinstance(t, str)]
+
+
 def _instruction(messages: list[dict[str, Any]]) -> str | None:
-    """The task instruction from the UI-TARS prompt (the text after "## User Instruction")."""
+    """The task instruction from an agent's prompt (the text after its header: UI-TARS's
+    "## User Instruction" in a user turn, the others' "## Task")."""
     for message in messages:
-        if message.get("role") != "user":
+        if message.get("role") not in ("user", "system"):
             continue
-        content = message.get("content")
-        parts = [content] if isinstance(content, str) else [
-            p.get("text", "") for p in content or [] if isinstance(p, dict)
-        ]
-        for text in parts:
-            if isinstance(text, str) and _INSTRUCTION_HEADER in text:
-                return text.split(_INSTRUCTION_HEADER, 1)[1].strip()
+        for text in _texts(message):
+            for header in _TASK_HEADERS:
+                if header in text:
+                    return text.split(header, 1)[1].strip()
     return None
+
+
+def _last_assistant_text(messages: list[dict[str, Any]]) -> str:
+    for message in reversed(messages):
+        if message.get("role") == "assistant":
+            return "\n".join(_texts(message))
+    return ""
+
+
+def _format(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> str:
+    """Which agent asks: ``uitars``, ``pyautogui`` / ``computer_13`` (OSWorld's prompt
+    agent), ``qwen_tools`` / ``qwen_inline`` (Qwen's computer-use agent)."""
+    if any((t.get("function") or {}).get("name") == qwen.TOOL_NAME for t in tools or []):
+        return "qwen_tools"
+    system = "\n".join(_texts(messages[0])) if messages and messages[0].get(
+        "role") == "system" else ""
+    if f'"name": "{qwen.TOOL_NAME}"' in system:
+        return "qwen_inline"
+    if osworld_prompt.TASK_HEADER in system:
+        return "computer_13" if '"action_type"' in system else "pyautogui"
+    return "uitars"
+
+
+def _frame(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None
+           ) -> tuple[int, int] | None:
+    """The coordinate frame a Qwen tool description states (its resolution)."""
+    text = json.dumps(tools or []) + "\n".join(
+        t for m in messages[:1] for t in _texts(m))
+    found = _RESOLUTION.search(text)
+    return (int(found[1]), int(found[2])) if found else None
+
+
+def convert(reply: str, fmt: str, screen: tuple[int, int], *, step: int = 0,
+            frame: tuple[int, int] | None = None) -> TextTurn:
+    """A UI-TARS reply said in another agent's format ``fmt`` (see ``_format``): the text and
+    the tool calls. ``screen``: the screen's size (the UI-TARS-1.5 reply's frame);
+    ``frame``: the Qwen tool's coordinate frame (default: the resized screenshot)."""
+    width, height = screen
+    parsed = parse_response(reply, width, height, "uitars-1.5")
+    head = f"[reference step {step}] {parsed.thought or ''}".strip()
+    if fmt == "pyautogui":
+        return head + "\n" + "\n".join(_code_blocks(parsed.actions)), []
+    if fmt == "computer_13":
+        blocks = [f"```json\n{json.dumps(a)}\n```" for a in _computer13(parsed.actions)]
+        return head + "\n" + "\n".join(blocks), []
+    if frame is None:
+        fr = frame_of(width, height, "uitars-1.5")
+        frame = (int(fr.width), int(fr.height))
+    calls = _qwen_calls(parsed.actions, screen, frame)
+    if fmt == "qwen_tools":
+        return head, [(qwen.TOOL_NAME, json.dumps(c)) for c in calls]
+    return "\n".join([head, *(qwen.tool_call_text(c) for c in calls)]), []
+
+
+_TERMINALS = {"finished": "DONE", "call_user": "FAIL", "wait": "WAIT"}
+
+
+def _code_blocks(actions: list[Action]) -> list[str]:
+    blocks: list[str] = []
+    for a in actions:
+        if a.kind in _TERMINALS:
+            return [*blocks, f"```{_TERMINALS[a.kind]}```"]
+        blocks.append(f"```python\n{to_pyautogui([a])}\n```")
+    return blocks
+
+
+def _computer13(actions: list[Action]) -> list[dict[str, Any]]:
+    out: list[dict[str, Any]] = []
+    for a in actions:
+        xy = {"x": a.point[0], "y": a.point[1]} if a.point else {}
+        if a.kind in _TERMINALS:
+            out.append({"action_type": _TERMINALS[a.kind]})
+            break
+        if a.kind == "click":
+            out.append({"action_type": "CLICK", "button": "left", **xy})
+        elif a.kind == "left_double":
+            out.append({"action_type": "DOUBLE_CLICK", **xy})
+        elif a.kind == "right_single":
+            out.append({"action_type": "RIGHT_CLICK", **xy})
+        elif a.kind == "hover":
+            out.append({"action_type": "MOVE_TO", **xy})
+        elif a.kind == "drag" and a.end_point:
+            out += [{"action_type": "MOVE_TO", **xy},
+                    {"action_type": "DRAG_TO", "x": a.end_point[0], "y": a.end_point[1]}]
+        elif a.kind in ("hotkey", "press"):
+            out.append({"action_type": "PRESS", "key": a.keys[0]} if len(a.keys) == 1
+                       else {"action_type": "HOTKEY", "keys": a.keys})
+        elif a.kind in ("keydown", "keyup"):
+            out.append({"action_type": "KEY_DOWN" if a.kind == "keydown" else "KEY_UP",
+                        "key": a.keys[0]})
+        elif a.kind == "type":
+            out.append({"action_type": "TYPING", "text": a.content or ""})
+        elif a.kind == "scroll":
+            clicks = 5 if a.direction in ("up", "right") else -5
+            vertical = a.direction in ("up", "down")
+            out += [{"action_type": "MOVE_TO", **xy}] if xy else []
+            out.append({"action_type": "SCROLL", "dx": 0 if vertical else clicks,
+                        "dy": clicks if vertical else 0})
+    return out
+
+
+def _qwen_calls(actions: list[Action], screen: tuple[int, int],
+                frame: tuple[int, int]) -> list[dict[str, Any]]:
+    def at(point: tuple[int, int]) -> list[int]:
+        return [round(point[0] / screen[0] * frame[0]), round(point[1] / screen[1] * frame[1])]
+
+    named = {"click": "left_click", "left_double": "double_click",
+             "right_single": "right_click", "hover": "mouse_move"}
+    out: list[dict[str, Any]] = []
+    for a in actions:
+        if a.kind == "finished" or a.kind == "call_user":
+            out.append({"action": "terminate",
+                        "status": "success" if a.kind == "finished" else "failure"})
+            break
+        if a.kind == "wait":
+            out.append({"action": "wait", "time": 1})
+            break
+        if a.kind in named and a.point:
+            out.append({"action": named[a.kind], "coordinate": at(a.point)})
+        elif a.kind == "drag" and a.point and a.end_point:
+            out += [{"action": "mouse_move", "coordinate": at(a.point)},
+                    {"action": "left_click_drag", "coordinate": at(a.end_point)}]
+        elif a.kind in ("hotkey", "press"):
+            out.append({"action": "key", "keys": a.keys})
+        elif a.kind == "type":
+            out.append({"action": "type", "text": a.content or ""})
+        elif a.kind == "scroll":
+            vertical = a.direction in ("up", "down")
+            call: dict[str, Any] = {"action": "scroll" if vertical else "hscroll",
+                                    "pixels": 5 if a.direction in ("up", "right") else -5}
+            if a.point:
+                call["coordinate"] = at(a.point)
+            out.append(call)
+    return out
 
 
 def scripted_server(policy: ScriptedPolicy, *, latency_s: float = 0.0,
@@ -232,7 +395,7 @@ def scripted_server(policy: ScriptedPolicy, *, latency_s: float = 0.0,
     ``start()`` serves it from a thread (port 0: a free one)."""
 
     def answer(call: ChatCall) -> Completion:
-        text, calls = policy.respond(call.request.messages)
+        text, calls = policy.respond(call.request.messages, call.request.tools)
         tokens = len(text.split()) + sum(len(a.split()) + 1 for _, a in calls)
         return Completion(text, tool_calls=calls, completion_tokens=tokens, delay_s=latency_s)
 

@@ -223,8 +223,10 @@ class ToolAgent:
     the calls and hands back the results (``called``, ``answered``)."""
 
     name = "tool"
+    action_format = "tool_calls"
     constrained = False      # no grammar: the tools are the reply's structure
     max_parse_retries = 0    # a malformed call goes back to the model as the call's error
+    observes_a11y_tree = False
 
     def __init__(self, cfg: TextConfig, mode: str) -> None:
         self.cfg = cfg
@@ -241,7 +243,7 @@ class ToolAgent:
             self.tools.append(ANSWER_TOOL.openai())
         self.messages = first_messages(question, self.system_prompt)
 
-    def request(self, observation: Any = None) -> AgentRequest:
+    def request(self, observation: Any = None, a11y_tree: str | None = None) -> AgentRequest:
         """The next turn's request: the conversation so far and the tools (the observations
         are the tool results in it)."""
         return AgentRequest(self.messages, [], 0, tools=list(self.tools),

@@ -204,6 +204,24 @@ def _point(value: Any) -> tuple[float, float] | None:
     return None
 
 
+def _common(action: Any) -> Any:
+    """A parsed action of any agent's format in the fields the overlay reads (``kind``,
+    ``point``, ``content``, ``keys``): UI-TARS's as they are; OSWorld's computer_13 actions
+    (``action_type``, ``x``, ``y``) and code blocks; Qwen's tool calls (``action``,
+    ``screen_point``)."""
+    if not isinstance(action, dict) or "kind" in action:
+        return action
+    if "code" in action or "special" in action:
+        return {"kind": action.get("special") or "code", "content": action.get("code")}
+    if "action_type" in action:
+        xy = (action["x"], action["y"]) if "x" in action and "y" in action else None
+        keys = action.get("keys") or ([action["key"]] if "key" in action else [])
+        return {"kind": str(action["action_type"]).lower(), "point": xy,
+                "content": action.get("text"), "keys": keys}
+    return {"kind": action.get("action"), "point": action.get("screen_point"),
+            "content": action.get("text"), "keys": action.get("keys") or []}
+
+
 def _action_label(action: dict[str, Any]) -> str:
     kind = str(action.get("kind") or "?")
     keys = action.get("keys")
@@ -309,6 +327,18 @@ def _figure(
     )
 
 
+def _tree_section(episode: Episode, line: dict[str, Any]) -> str:
+    """The accessibility tree (or the marks' table) the step's request showed, folded."""
+    name = line.get("a11y_tree_file")
+    path = episode.dir / name if episode.dir is not None and isinstance(name, str) else None
+    if path is None or not path.is_file():
+        return ""
+    table = path.read_text(encoding="utf-8", errors="replace")
+    rows = max(0, table.count("\n"))
+    return (f'<details><summary>Accessibility tree shown ({rows} elements)</summary>'
+            f'<pre class="response">{_e(table)}</pre></details>')
+
+
 def _timing_rows(line: dict[str, Any]) -> str:
     rows = []
     timing = line.get("timing")
@@ -316,8 +346,9 @@ def _timing_rows(line: dict[str, Any]) -> str:
         for key, value in timing.items():
             shown = f"{value:.3f}" if isinstance(value, int | float) else value
             rows.append((key, shown))
-    for key in ("prompt_tokens", "completion_tokens", "parse_retries", "model_endpoint",
-                "model_version", "action_timestamp"):  # fmt: skip
+    for key in ("agent", "action_format", "prompt_tokens", "completion_tokens",
+                "parse_retries", "model_endpoint", "model_version",
+                "action_timestamp"):  # fmt: skip
         if line.get(key) is not None:
             rows.append((key, line[key]))
     info = line.get("info")
@@ -355,7 +386,11 @@ def episode_page(
     for i, line in enumerate(lines):
         n = line.get("step_num", i + 1)
         actions = line.get("actions") if isinstance(line.get("actions"), list) else []
+        actions = [_common(a) for a in actions]
         name = _observation_name(lines, i)
+        marks = line.get("marks_file")
+        if isinstance(marks, str) and marks:  # the set-of-marks screenshot it was shown
+            name = marks
         figure = _figure(episode, name, image_dir, slug, f"{name}: what the model saw",
                          actions, f"s{i}")  # fmt: skip
         listed = "".join(f"<li>{_e(_action_label(a))}{_e(_where(a))}</li>"
@@ -366,6 +401,7 @@ def episode_page(
             f'{figure}<div class="text">'
             + (f'<h3>Thought</h3><p class="thought">{_e(thought)}</p>' if thought else "")
             + (f'<h3>Actions</h3><ul class="actions">{listed}</ul>' if listed else "")
+            + _tree_section(episode, line)
             + f'<h3>Code</h3><pre class="code">{_e(line.get("action"))}</pre>'
             + f'<h3>Response</h3><pre class="response">{_e(line.get("response"))}</pre>'
             + f"<h3>Timing</h3>{_timing_rows(line)}</div></div></section>"

@@ -26,6 +26,7 @@ __all__ = [
     "SUPERSEDED_RESULTS_FILE",
     "TASK_CONFIG_FILE",
     "TRAJ_FILE",
+    "observation_file_name",
     "screenshot_name",
     "staging_name",
 ]
@@ -52,6 +53,13 @@ _MAX_FLAT_ID = 160
 def screenshot_name(step: int) -> str:
     """The file of the screenshot observed after step ``step`` (0: after the reset)."""
     return f"step_{step}.png"
+
+
+def observation_file_name(step: int, kind: str) -> str:
+    """A file of what step ``step``'s request showed the model besides the screenshot
+    (``kind``: ``a11y_tree.txt``, the accessibility tree as the prompt has it;
+    ``marks.png``, the screenshot with numbered marks)."""
+    return f"step_{step}_{kind}"
 
 
 def staging_name(episode_id: str, attempt: int, nonce: str) -> str:

@@ -24,6 +24,7 @@ from cua_rollout.config import LEASE_MARGIN_S, Config, DesktopsConfig
 from cua_rollout.core.aio import TaskSet
 from cua_rollout.core.errors import (
     ActionParseError,
+    ConfigError,
     DesktopError,
     ModelRequestError,
     ModelUnavailable,
@@ -32,7 +33,7 @@ from cua_rollout.core.errors import (
     UnsupportedEvaluator,
     one_line,
 )
-from cua_rollout.core.layout import screenshot_name
+from cua_rollout.core.layout import observation_file_name, screenshot_name
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import (
     SUCCESS_REWARD,
@@ -47,6 +48,7 @@ from cua_rollout.model.client import Generation, ModelServicePool
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.storage import EpisodeWriter, StepFiles
 from cua_rollout.runtime.trajectory import (
+    UNSET,
     ScreenshotFiles,
     StepRecord,
     discarded_generation,
@@ -189,6 +191,8 @@ class Episode(abc.ABC):
         self.reset_done = False
         self.held_record: StepRecord | None = None
         self.pending_record: StepRecord | None = None  # the step whose action runs
+        # step -> the files of what its request showed besides the screenshot (tree, marks)
+        self._observed: dict[int, tuple[Any, Any]] = {}
         # Unique per run of an attempt (an outage requeues the same attempt): a revoked
         # owner (release_owned) never matches a later run's lease.
         self.owner = f"{runner.runner_id}/{self.session_id}/{uuid.uuid4().hex[:12]}"
@@ -299,13 +303,15 @@ class Episode(abc.ABC):
         observation."""
         step_started = time.monotonic()
         wall_started = time.time()
-        request = self.agent.request(observation)
+        split = {"action_s": 0.0, "pause_s": 0.0, "screenshot_s": 0.0}
+        request = await self._request(env, step, observation, split)
         self.last_messages = request.messages
         self._enter("model")
         generation, parsed, discarded, model_s = await self._generate(request, observation)
         self._enter("other")
         decision = self.agent.decide(parsed)
         record = self._record(step, generation, request, decision, discarded, observation)
+        record.a11y_tree_file, record.marks_file = self._observed.pop(step, (UNSET, UNSET))
         gone = self.agent.remember(observation, generation.text)
         if gone is not None:  # left the image window: the last request no longer shows it
             self.files.forget(gone)
@@ -314,14 +320,49 @@ class Episode(abc.ABC):
         # is held below still writes its line, so result.steps is traj.jsonl's line count.
         self.pending_record = record
         env_started = time.monotonic()
-        split = {"action_s": 0.0, "pause_s": 0.0, "screenshot_s": 0.0}
         ended, next_observation = await self._carry_out(env, decision, parsed, record, split)
         self._enter("other")
-        self._time_step(record, model_s, time.monotonic() - env_started,
+        self._time_step(record, model_s,
+                        time.monotonic() - env_started + split.get("a11y_tree_s", 0.0),
                         time.monotonic() - step_started, split, wall_started)
         record.done = ended
         await self._keep(record, step, None if ended else next_observation)
         return ended, next_observation
+
+    async def _request(self, env: Any, step: int, observation: Screenshot | None,
+                       split: dict[str, float]) -> AgentRequest:
+        """The agent's request for the step; an agent that observes the accessibility tree
+        gets it first (its seconds: ``split["a11y_tree_s"]``, part of the step's env time),
+        and what it showed besides the screenshot (the tree's table, the marked
+        screenshot) is kept as the step's files for the viewer."""
+        tree = None
+        if self.agent.observes_a11y_tree:
+            self._enter("screenshot")
+            t0 = time.monotonic()
+            tree = await self._accessibility_tree(env)
+            split["a11y_tree_s"] = time.monotonic() - t0
+            self._enter("other")
+        request = self.agent.request(observation, tree)
+        tree_file = marks_file = UNSET
+        if self.cfg.runner.save_screenshots and request.a11y_tree is not None:
+            tree_file = observation_file_name(step, "a11y_tree.txt")
+            await self.writer.step(None, tree_file, request.a11y_tree.encode())
+        if self.cfg.runner.save_screenshots and request.marked is not None:
+            marks_file = observation_file_name(step, "marks.png")
+            await self.writer.step(None, marks_file, request.marked.png)
+            self.files.remember(request.marked, marks_file)
+            request.marked.forget_png()
+        self._observed[step] = (tree_file, marks_file)
+        return request
+
+    async def _accessibility_tree(self, env: Any) -> str:
+        """The environment's accessibility tree (``DesktopProbe.accessibility_tree``)."""
+        fetch = getattr(env, "accessibility_tree", None)
+        if fetch is None:
+            raise ConfigError(f"agent {self.agent.name} observes the accessibility tree, "
+                              f"which this environment ({type(env).__name__}) does not have")
+        tree: str = await fetch()
+        return tree
 
     def _record(self, step: int, generation: Generation, request: AgentRequest,
                 decision: Decision, discarded: list[dict[str, Any]],
@@ -333,6 +374,7 @@ class Episode(abc.ABC):
                                      logprobs=sampling.logprobs)
         if isinstance(observation, Screenshot):
             record.observation_file = self.files.file_of(observation)
+        record.agent, record.action_format = self.agent.name, self.agent.action_format
         if decision.parse is not None:
             record.thought, record.actions = decision.parse
             record.parse_retries = len(discarded)

@@ -55,7 +55,12 @@ class StepRecord:
     info: dict[str, Any] = field(default_factory=dict)  # the action's returncode and error
     screenshot_file: str | None = None      # the screenshot observed after the step
     # a desktop agent's reading of the reply
+    agent: str = UNSET                      # agent.name of the agent that read it
+    action_format: str = UNSET              # how the reply says actions (uitars, pyautogui,
+                                            # computer_13, qwen_tool_call, tool_calls)
     observation_file: str | None = UNSET    # the screenshot the step started from
+    a11y_tree_file: str = UNSET             # the accessibility tree the request showed
+    marks_file: str = UNSET                 # the screenshot with marks the request showed
     thought: str | None = UNSET
     actions: list[dict[str, Any]] = UNSET   # the parsed actions
     parse_retries: int = UNSET              # replies dropped before this one

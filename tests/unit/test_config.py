@@ -142,7 +142,10 @@ coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: ba
 agent: {name: uitars-1.0, history_images: 3, history_texts: 10, max_parse_retries: 2,
         call_user: wait, call_user_max_waits: 2, prompt_call_user: false,
         prompt_language: Chinese, prompt_note: "sudo password is in the note",
-        min_pixels: 3136, max_pixels: 1003520, constrain_actions: true}
+        min_pixels: 3136, max_pixels: 1003520, constrain_actions: true,
+        osworld_prompt: {observation_type: som, action_space: pyautogui,
+                         max_trajectory_length: 2, a11y_tree_max_chars: 9000, password: null},
+        qwen_computer_use: {coordinates: relative, send_tools: false, max_calls_per_reply: 3}}
 runner: {max_steps: 15, action_pause_s: 0.5, wait_s: 2,
          episode_timeout_s: 600, evaluation_timeout_s: 60, save_screenshots: false}
 evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path: /src/OSWorld,
@@ -201,6 +204,9 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.desktops.kubernetes.reset == "vm"
     assert cfg.coordinator.schedule == "batch" and cfg.coordinator.episodes_per_runner == 16
     assert cfg.agent.call_user == "wait" and cfg.agent.history_images == 3
+    assert cfg.agent.osworld_prompt.observation_type == "som"
+    assert cfg.agent.osworld_prompt.password is None
+    assert cfg.agent.qwen_computer_use.coordinates == "relative"
     assert cfg.desktops.offline is True and cfg.desktops.chromium_port == 9333
     assert cfg.desktops.accounts_dir == Path("/data/osworld/settings")
     assert cfg.desktops.verify.enabled is False and cfg.desktops.verify.home_depth == 3

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import io
+import typing
 
 import pytest
 from PIL import Image
@@ -44,7 +45,9 @@ def _parsed(action: str):
 def test_agents_are_registered_by_name_one_per_family():
     assert agent_class("uitars-1.5") is UITars15Agent
     assert agent_class("uitars-1.0") is UITars10Agent
-    assert set(AGENTS) == {"uitars-1.5", "uitars-1.0"}
+    # Every registered agent is a choice of agent.name, and every choice is registered.
+    assert set(AGENTS) == set(typing.get_args(AgentConfig.model_fields["name"].annotation))
+    assert {"uitars-1.5", "uitars-1.0"} <= set(AGENTS)
     with pytest.raises(ConfigError, match=r"agent.name: unknown agent 'gpt' \(known: "):
         agent_class("gpt")
 

@@ -36,6 +36,8 @@ class UITarsAgent:
     """One episode's UI-TARS agent (``cua_rollout.agents.base.Agent``)."""
 
     family: ClassVar[str]
+    action_format: ClassVar[str] = "uitars"
+    observes_a11y_tree: ClassVar[bool] = False
 
     def __init__(self, settings: AgentConfig, *, instruction: str, max_tokens: int) -> None:
         self.settings = settings
@@ -62,7 +64,7 @@ class UITarsAgent:
                 width, height, min_pixels=s.min_pixels, max_pixels=s.max_pixels))
         return frame
 
-    def request(self, shot: Screenshot) -> AgentRequest:
+    def request(self, shot: Screenshot, a11y_tree: str | None = None) -> AgentRequest:
         s = self.settings
         frame = self.frame(shot)
         messages = build_messages(
