@@ -412,3 +412,46 @@ async def test_an_evaluation_that_raises_on_what_the_agent_left_is_its_failure(m
     result = await world.run(commanding, rollout=1)
     assert result.status == "infra_error" and result.evaluation_error is None
     assert "connection reset" in (result.error or "")
+
+
+A11Y_TREE = """<desktop-frame xmlns:st="https://accessibility.ubuntu.example.org/ns/state"
+ xmlns:cp="https://accessibility.ubuntu.example.org/ns/component">
+ <application name="editor"><push-button name="Start" st:enabled="true" st:showing="true"
+  st:visible="true" cp:screencoord="(90,190)" cp:size="(20,20)">Start</push-button>
+ </application></desktop-frame>"""
+
+
+def tree_desktop(tree: str) -> Callable[[str], FakeDesktop]:
+    def make(desktop_id: str) -> FakeDesktop:
+        desktop = clicking_desktop(desktop_id)
+        desktop.accessibility = tree
+        return desktop
+    return make
+
+
+async def test_an_agent_that_observes_the_tree_gets_it_each_step_and_it_is_kept(make_world):
+    world = await make_world(
+        "agent.name=osworld-prompt", "agent.osworld_prompt.observation_type=screenshot_a11y_tree",
+        desktop=tree_desktop(A11Y_TREE),
+        replies=["```python\npyautogui.click(100, 200)\n```", "```DONE```"])
+    result = await world.run()
+    assert (result.status, result.reward, result.steps) == ("success", 1.0, 2), result.error
+    traj = world.traj()
+    assert [(s["agent"], s["action_format"]) for s in traj] == [
+        ("osworld-prompt", "pyautogui")] * 2
+    for step in traj:
+        table = (world.run_dir / "d/t1/0" / step["a11y_tree_file"]).read_text()
+        assert "push-button" in table and "Start" in table  # the linearized table
+        assert step["timing"]["env_s"] > 0
+    prompt = json.dumps(world.model.requests[0]["messages"])
+    assert "push-button" in prompt and "Start" in prompt
+
+
+async def test_a_tree_that_is_not_xml_is_the_desktops_fault_and_retried(make_world):
+    world = await make_world("agent.name=osworld-prompt",
+                             "agent.osworld_prompt.observation_type=a11y_tree",
+                             desktop=tree_desktop("<desktop-frame><unclosed>"))
+    result = await world.run()
+    assert result.status == "infra_error" and result.retryable, result
+    assert "accessibility tree is not XML" in (result.error or "")
+    assert world.model.requests == [], "nothing was asked of the model"

@@ -17,7 +17,7 @@ from cua_rollout.agents.osworld.a11y import HEADER, draw_marks, trim
 from cua_rollout.agents.osworld.computer13 import action_code
 from cua_rollout.agents.osworld.replies import read_computer13, read_pyautogui
 from cua_rollout.config import load_config
-from cua_rollout.core.errors import ActionParseError, ConfigError
+from cua_rollout.core.errors import ActionParseError, ConfigError, DesktopError
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import DONE, FAIL, WAIT
 from tests.support import REPO_ROOT
@@ -88,7 +88,7 @@ def test_linearization_follows_osworlds_table():
 
 
 def test_a_tree_that_is_not_xml_is_a_clear_error():
-    with pytest.raises(ValueError, match="the accessibility tree is not XML"):
+    with pytest.raises(DesktopError, match="accessibility tree is not XML"):
         linearize("<desktop-frame>")
 
 

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw, ImageFont
 
+from cua_rollout.core.errors import DesktopError
+
 __all__ = ["HEADER", "MARKS_HEADER", "Mark", "draw_marks", "kept_nodes", "linearize",
            "parse_tree", "trim"]
 
@@ -48,13 +50,14 @@ _PAIR = re.compile(r"^\(\s*(-?\d+)\s*,\s*(-?\d+)\s*\)$")
 
 def parse_tree(xml: str) -> ET.Element:
     """The tree's root (an empty tree, as a desktop without AT-SPI gives: no nodes);
-    ``ValueError`` naming the problem when it is not XML."""
+    ``DesktopError`` naming the problem when it is not XML: the desktop answered something
+    that is not its tree, so the episode is an infra error retried on another desktop."""
     if not xml.strip():
         return ET.Element("desktop-frame")
     try:
         return ET.fromstring(xml)
     except ET.ParseError as exc:
-        raise ValueError(f"the accessibility tree is not XML: {exc}") from None
+        raise DesktopError(f"the desktop's accessibility tree is not XML: {exc}") from None
 
 
 def _pair(node: ET.Element, attribute: str) -> tuple[int, int]:
