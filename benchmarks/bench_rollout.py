@@ -52,7 +52,9 @@ orchestration keeps up with 1024 episodes in flight, not whether 2 cores are a G
 
 Each measurement (row) is a fresh run: actors started, episodes submitted, a warm-up (at
 least ``warmup_s`` and until every slot has taken a step) excluded, then a fixed wall-time
-window of ``window_s`` (rollout, actor-per-episode). The run is then drained as run.py's
+window of ``window_s``, and at least two mean step times (``window_for``: slots that start
+together step in waves, and a window shorter than a step measures a trough or a crest of
+them; rollout, actor-per-episode). The run is then drained as run.py's
 Ctrl-C does: nothing new starts, running episodes get ``drain_grace_s`` (or 1.3 mean step
 times, so steps running at the window's end finish and count), then the rest is cancelled
 (a second Ctrl-C). For batch, a warm-up batch of short episodes (3 steps or fewer) is
@@ -229,6 +231,14 @@ class RolloutSetup:
         """Mean simulated step time at this concurrency: unloaded, or slower so that
         ``concurrency / step time`` is the model fleet's rate."""
         return max(self.unloaded_step_s(), concurrency / self.fleet_steps_per_s)
+
+    def window_for(self, concurrency: int) -> float:
+        """The measured window at this concurrency: ``window_s``, and at least two mean step
+        times. A step's CPU comes at its ends (the request, the reply, the action, the
+        screenshot) and slots started together step in waves; a window shorter than a step
+        (82 s at 4096) may hold a trough or a crest of them, and its CPU per step says so,
+        not what a step costs."""
+        return max(self.window_s, 2.0 * self.step_s_for(concurrency))
 
     def model_factor_for(self, concurrency: int) -> float:
         """How much slower than unloaded the model answers at this concurrency (the sim's
@@ -553,7 +563,7 @@ def _run_row(row: _Row, desktops: SimWorld, sampler: _ProcessSampler, next_task:
         row.warmup_ids = {f"{DOMAIN}/t{i:07d}/0" for i in warm}
     else:
         numbers = _instructions(s, next_task,
-                                _episodes_needed(s, k, s.warmup_s + s.window_s + 10))
+                                _episodes_needed(s, k, s.warmup_s + s.window_for(k) + 10))
     _write_tasks(tasks, numbers)
     with SimWorld(model_servers=s.model_servers, model=_model_sim(s, row.model_factor)) as world:
         sampler.exclude(world.pids)
@@ -664,7 +674,7 @@ def _measure_window(row: _Row, coordinator: Any, sampler: _ProcessSampler,
     sim0 = _sim_cpu_s(sims)
     sampler.mark()
     w0 = time.time()
-    end = time.monotonic() + s.window_s
+    end = time.monotonic() + s.window_for(row.concurrency)
     while time.monotonic() < end:
         stats = _poll(coordinator)["stats"]
         if stats["episodes_queued"] == 0:

@@ -439,7 +439,7 @@ class BenchRunner(TrajectoryRunner):
         """``at_once`` episodes of ``steps`` steps writing their files as runners do
         (``EpisodeWriter``, ``StepFiles`` of ``storage_cfg``), and their results lines."""
         files = StepFiles(self.storage, storage_cfg, self.runner_id)
-        recorder = ResultRecorder(StorageClient(self.storage), 60.0)
+        recorder = ResultRecorder(StorageClient(self.storage), 300.0)
         lines = [_step_line(step) for step in range(1, steps + 1)]
         messages = _messages(self._task)
 

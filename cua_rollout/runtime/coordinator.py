@@ -57,6 +57,10 @@ _STATS_TIMEOUT_S = 5.0
 _RUNNER_SPARE_CALLS = 16
 # Calls to the storage and the pool that should answer at once.
 _ACTOR_CALL_TIMEOUT_S = 60.0
+# A batch of results lines waits behind the storage's queued writes (its backpressure: a
+# storage writing every step for runners that cannot, on a slow disk, is slow, not dead; a
+# dead one fails the call at once): only a storage stuck this long stops the run.
+_RECORD_TIMEOUT_S = 300.0
 # How long a runner that is unreachable (not dead) is given to answer again before it is
 # declared dead, killed, and its episodes run elsewhere.
 _UNREACHABLE_GRACE_S = 30.0
@@ -96,7 +100,7 @@ class AgentCoordinator:
         self._desktops_by_node = (desktop_pool.desktops_by_node()
                                   if isinstance(desktop_pool, PoolShards) else {})
         self._storage = StorageClient(storage)
-        self._recorder = ResultRecorder(self._storage, _ACTOR_CALL_TIMEOUT_S)
+        self._recorder = ResultRecorder(self._storage, _RECORD_TIMEOUT_S)
         # episode -> staging directories of its dispatches that ended without a results line
         # (a retry, an outage): removed by the storage when the episode is recorded.
         self._unrecorded: dict[str, list[str]] = {}

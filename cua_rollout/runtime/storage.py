@@ -848,7 +848,7 @@ class StepFiles:
         self.name = name  # for the log: which runner, on which node
         self.mode: str | None = None  # "runner" or "storage", once decided
         self.attempts: Path | None = None  # the staging area, when written here
-        self.counters = {"steps": 0, "screenshots": 0, "bytes": 0, "errors": 0}
+        self.counters = {"steps": 0, "screenshots": 0, "bytes": 0, "errors": 0, "swept": 0}
         self.last_error: str | None = None
         self._deciding: asyncio.Lock | None = None
         self._executor: ThreadPoolExecutor | None = None
@@ -903,6 +903,13 @@ class StepFiles:
                 self.counters["bytes"] += len(png)
             if line is not None:
                 self.counters["steps"] += 1
+
+    def swept(self, error: str) -> None:
+        """A write whose attempt's staging directory is gone (from a file thread)."""
+        log.info("%s: the attempt's staging directory was removed (superseded, or the run "
+                 "ended): %s", self.name, error)
+        with self._counting:
+            self.counters["swept"] += 1
 
     def failed(self, error: str) -> None:
         """A write that failed (from a file thread)."""
@@ -1048,6 +1055,14 @@ class EpisodeWriter:
             error = f"{kind}: {exc}"
             if self.failed is None:
                 self.failed = error
-            self.files.failed(f"{self.episode_id} attempt {self.attempt}: {error}")
+            where = f"{self.episode_id} attempt {self.attempt}: {error}"
+            if (isinstance(exc, FileNotFoundError) and kind != "begin"
+                    and self._path is not None and not self._path.exists()):
+                # Its staging directory was removed under it: the attempt was superseded
+                # (recorded elsewhere) or the run ended (a cancelled attempt still
+                # finishing). Expected: not a failing disk.
+                self.files.swept(where)
+            else:
+                self.files.failed(where)
             return False
         return True

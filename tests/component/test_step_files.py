@@ -112,7 +112,8 @@ async def test_a_runner_that_sees_the_run_directory_writes_the_step_files_itself
     stats = storage.stats()
     assert (stats["steps"], stats["screenshots"], stats["episodes"]) == (0, 0, 1)
     assert files.stats() == {"mode": "runner", "steps": 2, "screenshots": 2,
-                             "bytes": len(PNG) + len(PNG_1), "errors": 0, "last_error": None}
+                             "bytes": len(PNG) + len(PNG_1), "errors": 0, "swept": 0,
+                             "last_error": None}
     files.close()
 
 
@@ -142,6 +143,8 @@ async def test_a_stale_attempts_writes_never_reach_the_episodes_directory(tmp_pa
     await old.step({"step_num": 3, "attempt": 0}, "step_3.png", PNG)  # its runner wakes up
     await old.flush()
     assert old.failed is not None and "No such file or directory" in old.failed
+    # Expected, not a failing disk: counted apart from errors.
+    assert (dead.counters["swept"], dead.counters["errors"]) == (1, 0)
     late = EpisodeWriter(storage, EPISODE, 0, dead, nonce="n2")  # and begins once more
     await late.begin(TASK)
     await late.step({"step_num": 1, "attempt": 0}, "step_1.png", PNG)
