@@ -5,11 +5,14 @@ go through the typed clients of cua_rollout/runtime/actors.py.)"""
 from __future__ import annotations
 
 import asyncio
+import os
 import random
-from collections.abc import Coroutine, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Any
 
-__all__ = ["TaskSet", "backoff_s"]
+__all__ = ["TaskSet", "backoff_s", "pipe_reader"]
+
+_PIPE_CHUNK = 65536
 
 
 class TaskSet:
@@ -60,3 +63,47 @@ def backoff_s(attempt: int, initial_s: float, max_s: float, rng: random.Random |
     come back together."""
     cap = min(max_s, initial_s * 2 ** (attempt - 1))
     return (rng or random).uniform(0, cap)
+
+
+def pipe_reader(fd: int, limit: int = 2**16) -> tuple[asyncio.StreamReader, Callable[[], None]]:
+    """A ``StreamReader`` fed from the read end ``fd`` of a pipe, on the running loop, and the
+    function that stops it and closes ``fd`` (once, whenever called: safe from a ``finally``).
+
+    Not ``loop.connect_read_pipe``: under uvloop (Ray's actors and uvicorn use it when it is
+    installed) that closes the descriptor twice, through libuv and through the file object
+    (uvloop issue 763); when another thread has opened a file in between, the second close
+    takes that file's descriptor, whose next read fails with EBADF. Here the loop only
+    watches ``fd`` (``add_reader``) and this module alone closes it."""
+    loop = asyncio.get_running_loop()
+    os.set_blocking(fd, False)
+    reader = asyncio.StreamReader(limit=limit)
+    state = {"open": True, "watched": True}
+
+    def unwatch() -> None:
+        if state["watched"]:
+            state["watched"] = False
+            loop.remove_reader(fd)
+
+    def ready() -> None:
+        try:
+            data = os.read(fd, _PIPE_CHUNK)
+        except (BlockingIOError, InterruptedError):
+            return
+        except OSError as exc:
+            unwatch()
+            reader.set_exception(exc)
+            return
+        if data:
+            reader.feed_data(data)
+        else:
+            unwatch()
+            reader.feed_eof()
+
+    def close() -> None:
+        if state["open"]:
+            state["open"] = False
+            unwatch()
+            os.close(fd)
+
+    loop.add_reader(fd, ready)
+    return reader, close

@@ -303,6 +303,11 @@ def main(argv: list[str] | None = None) -> None:
         log_level=args.log_level,
         access_log=args.access_log,
         timeout_graceful_shutdown=5,
+        # Not uvloop (uvicorn's "auto" when it is installed): its connect_read_pipe and
+        # connect_write_pipe close their descriptor twice (uvloop issue 763), and the action
+        # worker's pipes (actions.py) would then close, now and then, a descriptor another
+        # thread just opened (a screenshot, a file). HTTP parsing stays httptools.
+        loop="asyncio",
     )
 
 

@@ -125,12 +125,13 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import PyToolConfig
+from cua_rollout.core.aio import pipe_reader
 from cua_rollout.core.errors import ToolError, ToolUnavailable
 from cua_rollout.envs.tools import ToolSpec, check_arguments
 from cua_rollout.text.seccomp import filter_fd
@@ -688,18 +689,16 @@ class _Call:
         """Feed, read and watch the call until it ends or is killed; ``out_fd`` and ``err_fd``
         are the read ends of its stdout and stderr pipes (closed here). Our own pipes rather
         than asyncio's: ``Process.wait()`` waits for asyncio's pipes to close, and we never
-        wait on pipes something else might hold."""
-        loop = asyncio.get_running_loop()
-        files = [open(out_fd, "rb", buffering=0), open(err_fd, "rb", buffering=0)]  # noqa: SIM115
-        transports: list[asyncio.BaseTransport] = []
+        wait on pipes something else might hold; read by ``core.aio.pipe_reader``, never
+        ``connect_read_pipe``, which closes them twice under uvloop (the EBADF a rag or web
+        tool of the same runner process saw)."""
+        closers: list[Callable[[], None]] = []
         tasks: list[asyncio.Task[Any]] = []
         try:
             readers = []
-            for file in files:
-                reader = asyncio.StreamReader()
-                transport, _ = await loop.connect_read_pipe(
-                    functools.partial(asyncio.StreamReaderProtocol, reader), file)
-                transports.append(transport)
+            for fd in (out_fd, err_fd):
+                reader, close = pipe_reader(fd)
+                closers.append(close)
                 readers.append(reader)
             feed = asyncio.create_task(self._feed(source))
             pumps = {asyncio.create_task(self._pump(readers[0], self.stdout, True)),
@@ -713,10 +712,10 @@ class _Call:
         finally:
             for task in tasks:
                 task.cancel()
-            for transport in transports:
-                transport.close()
-            for file in files[len(transports):]:
-                file.close()
+            for close in closers:
+                close()
+            for fd in (out_fd, err_fd)[len(closers):]:  # a pipe_reader that did not start
+                os.close(fd)
         return self._result()
 
     async def _all_gone(self) -> None:

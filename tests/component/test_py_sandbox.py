@@ -590,3 +590,54 @@ async def test_file_size_tmp_and_scratch_limits(tmp_path: Path):
             path.unlink()
         run = await box.run("i = 0\nwhile True:\n    open(f'e{i}', 'w').close()\n    i += 1\n")
         assert run.killed == "disk" and run.duration_s < 10.0
+
+
+def test_snippets_run_under_uvloop_as_ray_runs_them_and_close_each_pipe_once(tmp_path: Path):
+    """Ray's actors run on uvloop: snippets there read their output through
+    ``core.aio.pipe_reader`` (uvloop's connect_read_pipe closed each pipe twice, and a rag
+    corpus opened by another thread meanwhile lost its descriptor: EBADF). A file another
+    thread keeps reading while snippets run is never disturbed, and no descriptor leaks."""
+    import threading
+
+    import uvloop
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("passage\n" * 10_000)
+    stop = threading.Event()
+    errors: list[OSError] = []
+
+    def reads() -> None:  # as the rag tool's thread reads its corpus
+        while not stop.is_set():
+            try:
+                assert corpus.read_text().count("passage") == 10_000
+            except OSError as exc:
+                errors.append(exc)
+
+    def descriptors() -> int:  # but the corpus the other thread may have open now
+        count = 0
+        for fd in os.listdir("/proc/self/fd"):
+            with contextlib.suppress(OSError):
+                count += os.readlink(f"/proc/self/fd/{fd}") != str(corpus)
+        return count
+
+    async def main() -> list[str]:
+        async with opened(tmp_path / "box") as box:
+            # The first snippet starts what the loop keeps (uvloop's signal handling).
+            lines = await printed(box, "print(0)")
+            before = descriptors()
+            for n in range(1, 7):
+                lines += await printed(box, f"print({n} * 7)")
+            assert descriptors() == before, "a descriptor leaked"
+            return lines
+
+    (tmp_path / "box").mkdir()
+    reader = threading.Thread(target=reads)
+    reader.start()
+    try:
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            lines = runner.run(main())
+    finally:
+        stop.set()
+        reader.join()
+    assert lines == ["0", *(str(n * 7) for n in range(1, 7))]
+    assert errors == []
