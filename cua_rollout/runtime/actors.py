@@ -109,6 +109,9 @@ class StorageClient(_Client):
                        ) -> Awaitable[list[str | None]]:
         return send(self.target.record_results, items)
 
+    def place_unrecorded(self, episode_id: str, attempt: int, staging: str) -> Awaitable[None]:
+        return send(self.target.place_unrecorded, episode_id, attempt, staging)
+
     def forget_episode(self, episode_id: str, attempt: int) -> Awaitable[None]:
         return send(self.target.forget_episode, episode_id, attempt)
 

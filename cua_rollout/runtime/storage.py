@@ -131,6 +131,7 @@ class StorageActor:
         self._dirs: dict[str, Path] = {}      # episode -> its directory, checked once
         self._failed: dict[str, str] = {}     # episode -> first failed write of its attempt
         self._staging: dict[str, str] = {}    # episode -> its unfinished attempt's staging dir
+        self._placed: dict[str, str] = {}     # episode -> staging dir placed without a line
         # episode -> attempt of its results line (the last _RECORDED_ATTEMPTS episodes)
         self._recorded: OrderedDict[str, int] = OrderedDict()
         self._attempts_dir = self.run_dir / ATTEMPTS_DIR
@@ -288,6 +289,14 @@ class StorageActor:
                 errors.append(f"{RESULTS_FILE}: {exc}")
         return errors
 
+    async def place_unrecorded(self, episode_id: str, attempt: int, staging: str) -> None:
+        """An attempt its runner wrote that ends without a results line (cancelled when the
+        run stops): its files are moved into the episode's place for a reader of the stopped
+        run, as an attempt this actor writes is at its finish. Nothing when the staging
+        directory is gone (the attempt was recorded, or discarded); a results line naming
+        it later finds it in place (``_plan_result``)."""
+        await self._wait(_Job("place", episode_id, attempt, {"staging": staging}))
+
     async def forget_episode(self, episode_id: str, attempt: int) -> None:
         """An attempt this actor writes that ends without a result line (cancelled): drop
         what is kept for it. (A runner removes the staging directory it wrote itself.)"""
@@ -430,6 +439,14 @@ class StorageActor:
         if job.kind == "begin":
             await self._begin(job)
             return
+        if job.kind == "place":
+            if self._attempts.get(episode_id) is not None:
+                return  # this actor writes the episode's attempts: in place at their finish
+            name = job.payload["staging"]
+            if await asyncio.to_thread(_promote, self._staged_path(name),
+                                       self._episode_dir(episode_id), self.cfg.fsync):
+                self._placed[episode_id] = name
+            return
         staging = self._staging.get(episode_id)
         if (self._attempts.get(episode_id) != job.attempt or staging is None
                 or job.payload.get("staging", staging) != staging):
@@ -543,6 +560,8 @@ class StorageActor:
             record = {**record, "status": "infra_error", "reward": None,
                       "error": f"storage: {failed}"}
         plan = _ResultPlan(job, record, directory, discard=discard)
+        if staged is not None and self._placed.pop(episode_id, None) == staged:
+            return plan  # already in place (``place_unrecorded``): the line only
         unfinished_path = self._attempts_dir / unfinished if unfinished is not None else None
         if begun == job.attempt:
             # This actor wrote the attempt's files: in place at its finish, or (its runner
@@ -1011,12 +1030,14 @@ class EpisodeWriter:
 
     async def forget(self) -> None:
         """The attempt ends without a results line (cancelled, which happens when a run
-        stops): the storage actor forgets an attempt it writes; a staging directory of this
-        process's stays (a reader of the stopped run sees what the attempt did) until the
-        run's end or next start sweeps the staging area."""
+        stops): the storage actor forgets an attempt it writes, and moves a staging
+        directory of this process's into the episode's place (a reader of the stopped run
+        sees what the attempt did; a rerun replaces it)."""
         await self.flush()
-        if self.files is None or self._path is None:
+        if self.files is None or self._staging is None:
             await self.storage.forget_episode(self.episode_id, self.attempt)
+            return
+        await self.storage.place_unrecorded(self.episode_id, self.attempt, self._staging)
 
     async def flush(self) -> None:
         """Wait for the write in flight (it is not cut short when the wait is cancelled, and

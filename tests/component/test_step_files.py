@@ -263,6 +263,30 @@ async def test_a_batch_of_results_is_placed_and_appended_at_once(
     files.close()
 
 
+async def test_a_cancelled_attempt_is_placed_without_a_line_and_kept_if_recorded_later(
+        tmp_path: Path):
+    """Cancelled when the run stops: its files move into place, no results line. A cut
+    straggler's cancelled line may come after that: the files stay as they are."""
+    run = tmp_path / "run"
+    storage = await started(run)
+    files = files_of(storage)
+    writer = EpisodeWriter(storage, EPISODE, 0, files)
+    await writer.begin(TASK)
+    await writer.step({"step_num": 1}, "step_1.png", PNG)
+    assert await writer.finish(record(status="cancelled"), None) is None
+    await writer.forget()
+    directory = run / EPISODE
+    assert sorted(p.name for p in directory.iterdir()) == [
+        "episode.json", "step_1.png", "task_config.json", "traj.jsonl"]
+    assert not (run / RESULTS_FILE).exists() or (run / RESULTS_FILE).read_text() == ""
+    assert staged(run) == []
+    await storage.record_result(record(status="cancelled"), writer.staging)
+    assert traj(directory) == [{"step_num": 1}], "not rewritten by the later line"
+    assert json.loads((run / RESULTS_FILE).read_text())["status"] == "cancelled"
+    await storage.close()
+    files.close()
+
+
 def test_a_staging_name_is_one_new_path_component_for_any_episode_id():
     for episode_id in ("d/t/0", "../../etc/x", "a" * 300 + "/t/0", "d/t%2F/1", ".."):
         name = staging_name(episode_id, 2, "n0")
