@@ -68,6 +68,7 @@ __all__ = [
     "WebToolConfig",
     "load_config",
     "secret_from_env",
+    "status_bind",
 ]
 
 PositiveInt = Annotated[int, Field(ge=1)]
@@ -1245,6 +1246,49 @@ class MonitoringConfig(_Section):
     server's URL); null: the ``MLFLOW_TRACKING_URI`` environment variable."""
     tracker_experiment: str = Field("cua-rollout", min_length=1)
     """The experiment the run is logged under (the run's name names the tracker's run)."""
+    status_address: str | None = "127.0.0.1"
+    """Where the driver answers ``GET /healthz`` and ``GET /status`` while the run goes on
+    (``cua_rollout/runtime/status.py``): ``host:port``, ``[v6]:port``, or a host alone for a
+    free port (its URL is logged and written to ``<run>/status.url``); null: not served. On by
+    default, on loopback: a run that goes on for days should answer "are you alive, what are
+    you doing" without anyone reading its log, and loopback needs no token. Off loopback
+    (a probe from the kubelet, an operator's dashboard) ``status_token_env`` is required."""
+    status_token_env: str | None = None
+    """The environment variable holding the bearer token ``/status`` requires (``/healthz``
+    stays open: it says only ok or not, and a kubelet probe cannot hold a secret). Null: no
+    token, allowed on loopback only."""
+    stall_s: PositiveFloat | None = 900.0
+    """A run with episodes running or queued and no progress (no episode finished, the step
+    counter unchanged) for this long is stalled: the progress line, ``/status`` and
+    ``/healthz`` say so. Time in an outage wait (the model or desktops down: the run waits by
+    design) does not count. Null: never stalled."""
+
+    @model_validator(mode="after")
+    def _status_token_beyond_loopback(self) -> MonitoringConfig:
+        if self.status_address is None:
+            return self
+        try:
+            host, _ = status_bind(self.status_address)
+        except ConfigError as exc:  # names the malformed address
+            raise ValueError(str(exc)) from None
+        if self.status_token_env is None and not is_loopback(host):
+            raise ValueError(
+                f"monitoring.status_address {self.status_address!r} is reachable from other "
+                "hosts: set monitoring.status_token_env to the variable holding the bearer "
+                "token /status requires, or bind 127.0.0.1")
+        return self
+
+
+def status_bind(address: str) -> tuple[str, int]:
+    """``monitoring.status_address`` as the host and port to bind (0: a free port). Raises
+    ``ConfigError`` naming the key when it is no ``host[:port]``."""
+    key = "monitoring.status_address"
+    entry = host_entry(address, key)
+    if isinstance(entry, tuple):
+        return entry[0], entry[1] or 0
+    if entry.num_addresses != 1:  # a CIDR network: no address to bind
+        raise ConfigError(f"{key}: {address!r} is a network, not a host or host:port")
+    return str(entry.network_address), 0
 
 
 class Removed(NamedTuple):

@@ -12,6 +12,7 @@ httpx2."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import ipaddress
 import json
@@ -259,7 +260,7 @@ class ThreadedServer:
             timeout_graceful_shutdown=1, interface="asgi3",
         )
         self._server = uvicorn.Server(config)
-        self._thread = threading.Thread(target=self._server.run, daemon=True)
+        self._thread = threading.Thread(target=self._serve, daemon=True)
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._server.started:
@@ -268,6 +269,11 @@ class ThreadedServer:
             time.sleep(0.01)
         self.port = self._server.servers[0].sockets[0].getsockname()[1]
         return self
+
+    def _serve(self) -> None:
+        # uvicorn calls sys.exit when it cannot bind: the thread ends, start() says so.
+        with contextlib.suppress(SystemExit):
+            self._server.run()
 
     def stop(self) -> None:
         if self._server is not None and self._thread is not None:

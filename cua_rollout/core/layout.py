@@ -23,6 +23,7 @@ __all__ = [
     "RESULTS_FILE",
     "RUN_FILE",
     "RUN_LOCK_FILE",
+    "STATUS_URL_FILE",
     "SUPERSEDED_RESULTS_FILE",
     "TASK_CONFIG_FILE",
     "TRAJ_FILE",
@@ -33,6 +34,7 @@ __all__ = [
 
 RUN_FILE = "run.json"                  # config snapshot, versions, start/end, summary
 RUN_LOCK_FILE = ".lock"                # flock'ed by the one driver writing the run
+STATUS_URL_FILE = "status.url"         # where the running driver serves /healthz, /status
 RESULTS_FILE = "results.jsonl"         # one line per finished episode: the index
 SUPERSEDED_RESULTS_FILE = "results.superseded.jsonl"  # lines a rerun or a repair replaced
 METRICS_FILE = "metrics.jsonl"         # the coordinator's samples over time

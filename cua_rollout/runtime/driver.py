@@ -34,7 +34,7 @@ from typing import Any
 import ray
 
 from cua_rollout.agents.uitars.grammar import check_max_tokens
-from cua_rollout.config import Config
+from cua_rollout.config import Config, secret_from_env
 from cua_rollout.core.errors import FatalSetupError
 from cua_rollout.core.files import DirectoryLock, LockHeld, write_atomic
 from cua_rollout.core.http import redact_urls
@@ -61,6 +61,7 @@ from cua_rollout.runtime.launch import (
 )
 from cua_rollout.runtime.loader import TaskLoader
 from cua_rollout.runtime.progress import Progress
+from cua_rollout.runtime.status import StatusBoard, serve_status
 from cua_rollout.text.envs import check_text_modes
 
 __all__ = ["Rollout"]
@@ -69,6 +70,9 @@ log = logging.getLogger(__name__)
 
 # How often the driver asks the coordinator for finished episodes and statistics.
 _POLL_INTERVAL_S = 0.5
+# /healthz says the loop is not iterating when its last pass is this old: a pass makes up to
+# three Ray calls of CALL_TIMEOUT_S each (and waits while the caller holds a record).
+_LOOP_LATE_S = 3 * CALL_TIMEOUT_S + 30.0
 
 
 class Rollout:
@@ -95,6 +99,9 @@ class Rollout:
         self._tracker_uri: str | None = None
         self._drain = False
         self._cancel = False
+        # /status's bearer token: read at the start, so an unset variable fails it.
+        self._status_token = secret_from_env(cfg.monitoring.status_token_env,
+                                             "monitoring.status_token_env")
 
     # ----------------------------------------------------------------- lifecycle
 
@@ -216,7 +223,13 @@ class Rollout:
         done = 0
         progress: Progress | None = None
         drained = cancelled = False
+        board = StatusBoard(cfg.run.name, stall_s=cfg.monitoring.stall_s,
+                            loop_late_s=_LOOP_LATE_S)
+        status_server = None
         try:
+            if cfg.monitoring.status_address is not None:
+                status_server = serve_status(board, cfg.monitoring.status_address,
+                                             self._status_token, self.run_dir)
             while True:
                 if self._drain and not drained:
                     drained = True
@@ -236,7 +249,9 @@ class Rollout:
                     more = False
                     if done_before is None:  # known once the loader has read the task source
                         done_before = loader.finished_before()
+                poll_t = time.monotonic()
                 out = ray.get(coordinator.poll.remote(), timeout=CALL_TIMEOUT_S)
+                poll_s = time.monotonic() - poll_t
                 for record in out["finished"]:
                     done += 1
                     loader.record_result(record)
@@ -250,10 +265,16 @@ class Rollout:
                 before = done_before or 0
                 if progress is None:
                     progress = Progress(cfg.monitoring.progress_bar, total, before)
+                waiting = loader.waiting or stats.get("waiting")
+                stalled = board.publish(
+                    status="stopping" if fatal else "cancelling" if cancelled else
+                    "draining" if drained else "running",
+                    done=done, done_before=before, total=total, stats=stats,
+                    waiting=waiting, poll_s=poll_s)
                 note = ("stopping: " + fatal if fatal else
                         "draining" if drained and not cancelled else
                         "cancelling" if cancelled else
-                        loader.waiting or stats.get("waiting") or "")
+                        waiting or stalled)
                 progress.update(before + done, total, stats, note)
                 idle = stats["episodes_in_flight"] == 0 and (
                     drained or stats["episodes_queued"] == 0)
@@ -270,6 +291,8 @@ class Rollout:
                     return
                 time.sleep(_POLL_INTERVAL_S)
         finally:
+            if status_server is not None:
+                status_server.stop()
             if progress is not None:
                 progress.close()
 

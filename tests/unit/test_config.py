@@ -154,7 +154,8 @@ storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
           database_url: "postgresql+psycopg://rollout@db:5432/rollout",
           database_password_env: DB_PASSWORD, step_files: storage}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
-             tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp}
+             tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp,
+             status_address: "127.0.0.1:8270", status_token_env: STATUS_TOKEN, stall_s: 600}
 text:
   max_turns: 4
   max_tool_calls_per_turn: 3

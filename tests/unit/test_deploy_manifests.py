@@ -15,6 +15,7 @@ path.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
 import json
 import re
@@ -28,7 +29,8 @@ import yaml
 from kubernetes.client import ApiClient
 from pydantic import BaseModel
 
-from cua_rollout.config import Config, load_config
+from cua_rollout.config import Config, load_config, status_bind
+from cua_rollout.core.http import reachable_host
 from cua_rollout.model.fleet.launch import RequestShape
 from cua_rollout.model.fleet.processes import API_SERVER_MODULE
 from tests.support import REPO_ROOT
@@ -787,3 +789,21 @@ def test_the_kustomization_lists_files_that_exist():
                 f"{target['metadata']['namespace']} to merge"
             assert (g.get("options") or {}).get("disableNameSuffixHash") is True, \
                 f"kustomization.yaml: {g['name']} is mounted by name: disableNameSuffixHash"
+
+
+def test_the_head_probes_the_drivers_healthz_where_the_run_config_serves_it(tmp_path):
+    cfg = _run_config(tmp_path)
+    assert cfg.monitoring.status_address is not None, \
+        "run-config.yaml: monitoring.status_address is null: the head's probe has no driver"
+    host, port = status_bind(cfg.monitoring.status_address)
+    assert port, "run-config.yaml: monitoring.status_address needs a fixed port for the probe"
+    head = _ray_pods()["head"]["spec"]["containers"][0]
+    probe = head.get("livenessProbe") or {}
+    command = (probe.get("exec") or {}).get("command") or []
+    assert command[:3] == ["python", "-m", "cua_rollout.runtime.status_probe"], \
+        f"raycluster.yaml: the head's livenessProbe runs {command}"
+    assert command[3] == f"http://{reachable_host(host)}:{port}", \
+        "raycluster.yaml: the head's probe and run.yaml's monitoring.status_address differ"
+    assert importlib.util.find_spec(command[2]) is not None
+    assert probe.get("timeoutSeconds", 1) > 5, \
+        "raycluster.yaml: the probe's timeoutSeconds must exceed the probe's own 5 s"
