@@ -500,22 +500,13 @@ def _uid_of(pid: int) -> int | None:
     return None
 
 
-_PROC_LIST_TRIES = 5
-
-
 def _uid_pids(uid: int) -> list[int]:
     """Every process of the host running as ``uid`` (~20 us a process: run in a thread).
-    Listing /proc while many processes come and go can fail now and then (seen: ENOTDIR on
-    this kernel, 1 in ~200 calls with 16 sandboxes at once): it is read again."""
-    for attempt in range(_PROC_LIST_TRIES):
-        try:
-            names = os.listdir("/proc")
-            break
-        except OSError:
-            if attempt == _PROC_LIST_TRIES - 1:
-                raise
-            time.sleep(0.01 * (attempt + 1))
-    return [int(name) for name in names if name.isdigit() and _uid_of(int(name)) == uid]
+    (Listing /proc once failed now and then with ENOTDIR: the signature of another thread
+    closing this listing's descriptor and a file taking its number, which uvloop's pipe
+    transports did (``core.aio.pipe_reader``); it is not retried any more.)"""
+    return [int(name) for name in os.listdir("/proc")
+            if name.isdigit() and _uid_of(int(name)) == uid]
 
 
 def _kill_uid_pids(pids: list[int], uid: int) -> None:

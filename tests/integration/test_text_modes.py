@@ -176,3 +176,32 @@ def test_llm_judgement_asks_the_judge_endpoint_with_its_key(tmp, monkeypatch):
     assert "s3cret" not in (tmp / "results" / "judged" / "run.json").read_text()
     # The failed judgement counts 0 in the score: (1 + 0 + 0) / 3.
     assert "33.3%" in done.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_py_rag_and_web_episodes_side_by_side_in_one_runner_lose_no_descriptor(tmp):
+    """The EBADF hunt's proof (issue 34): py sandboxes (pipes, pidfds, /proc listings), the
+    rag tool (its corpus and index read from threads) and web fetches (sockets) run side by
+    side in ONE runner process, 16 episodes at a time, 104 episodes: a descriptor closed
+    twice anywhere in that process (uvloop's pipe transports did it) makes one of them fail
+    with EBADF or ENOTDIR, an infra error here. Every episode must score as the demo does."""
+    import yaml
+
+    cfg = yaml.safe_load(TEXT_DEMO.read_text())
+    cfg["tasks"]["benchmarks"] = [b for b in cfg["tasks"]["benchmarks"]
+                                  if b["mode"] in ("py", "rag", "web")]
+    cfg["tasks"]["rollouts_per_task"] = 8
+    cfg["coordinator"].update(max_concurrent_episodes=16, episodes_per_runner=16)
+    config = tmp / "side_by_side.yaml"
+    config.write_text(yaml.safe_dump(cfg))
+    done = _run(_command(tmp, config), cwd=REPO_ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = _results(tmp / "results" / "text_demo")
+    assert sum(len(v) for v in results.values()) == 13 * 8
+    wrong = {(item, r["rollout"]): (r["status"], r.get("error"))
+             for item, records in results.items() for r in records
+             if r["status"] != "success"}
+    assert wrong == {}
+    runners = {r.get("runner") for records in results.values() for r in records}
+    assert len(runners) == 1, runners
