@@ -191,6 +191,13 @@ class TasksConfig(_Section):
     rollouts (``rollouts_per_task``, or DART's dynamic number from the task's success in
     earlier passes), started once the task's previous group is final. 0: unbounded (a
     service that keeps sampling until stopped)."""
+    failed_group_reruns: NonNegInt = 2
+    """A group with an episode that ended ``infra_error`` (its retries used up) failed as a
+    whole: the trainer's index never hands it out (state ``failed_infra``: a smaller group
+    would skew its advantages). With ``passes`` > 0 such a group does not count as one of
+    the task's passes: another group is planned in its place, at most this many times per
+    task (a task whose setup always fails stops there); 0: never. With ``passes: 0`` the
+    task's next pass comes anyway."""
     checkpoint_barrier: CheckpointBarrierConfig = CheckpointBarrierConfig()
     """Start new groups only while the model pool serves its newest checkpoint (DART's
     ``load_latest_model()`` before each batch)."""

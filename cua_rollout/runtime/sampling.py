@@ -10,6 +10,10 @@ looks at each task's open groups only, ``total_known`` is kept up to date as res
 rather than recounted, and a resumed run's results.jsonl is fed in line by line (``resume``)
 with no more memory than that.
 
+A group with an episode that ended ``infra_error`` failed as a whole (the trainer's index never
+hands it out): with ``passes`` to count, another pass stands in for it
+(``tasks.failed_group_reruns`` per task at most).
+
 Rollout ``i`` of pass ``p`` is rollout number ``p * rollouts_per_task + i`` (its directory), so
 a rollout's pass is ``rollout // rollouts_per_task`` and a resumed run finds each group again.
 """
@@ -64,7 +68,8 @@ class _Group:
     of the pass's stride (those of an older, bigger plan too: a resumed run from before
     passes); ``final`` counts those that are the group's own."""
 
-    __slots__ = ("done", "final", "handed", "pass_index", "pending", "size", "start")
+    __slots__ = ("done", "failed", "final", "handed", "pass_index", "pending", "size",
+                 "start")
 
     def __init__(self, pass_index: int, size: int, start: int, done: set[int]) -> None:
         self.pass_index = pass_index
@@ -74,6 +79,7 @@ class _Group:
         self.final = sum(1 for r in done if start <= r < start + size)
         self.handed: set[int] = set()
         self.pending = True  # it may have rollouts to hand out
+        self.failed = False  # one of its own rollouts ended infra_error: failed as a whole
 
     def rollouts(self) -> range:
         return range(self.start, self.start + self.size)
@@ -86,14 +92,15 @@ class _Task:
     """One task's part of the plan: its open groups and counters."""
 
     __slots__ = ("ahead", "current", "done", "known", "next_pass", "open", "outside",
-                 "planned", "planned_rollouts", "rewards")
+                 "planned", "planned_rollouts", "replaced", "rewards")
 
     def __init__(self) -> None:
         self.open: dict[int, _Group] = {}      # pass -> its group, while not final
         # Final rollouts of passes not planned (yet): a resumed run from before passes, or a
         # result for a rollout never handed out. Empty in a run that planned all it ran.
         self.ahead: dict[int, set[int]] = {}
-        self.planned = 0            # passes planned (open or final)
+        self.planned = 0            # passes planned (open or final), failed ones replaced
+        self.replaced = 0           # failed groups another pass stands in for
         self.planned_rollouts = 0   # their rollouts
         self.next_pass = 0          # one more than the newest planned pass
         self.done = 0               # final rollouts
@@ -199,7 +206,8 @@ class SamplingPlan:
         if record.get("status") == "cancelled":
             return
         state = self._state(record["domain"], record["task_id"])
-        if self._finish(state, int(record["rollout"])):
+        if self._finish(state, int(record["rollout"]),
+                        failed=record.get("status") == "infra_error"):
             self._score(state, record.get("status"), record.get("reward"))
         self._update(state)
 
@@ -229,7 +237,8 @@ class SamplingPlan:
                     self._plan(state, pass_index, size)
             if (rerun and status == "infra_error") or status == "cancelled":
                 self._unfinish(state, rollout, size)  # runs again (a cancelled line is a cut
-            elif self._finish(state, rollout):       # straggler, never final)
+            elif self._finish(state, rollout,        # straggler, never final)
+                              failed=status == "infra_error"):
                 self._score(state, status, reward)
         for state in self._tasks.values():
             self._update(state)
@@ -278,8 +287,9 @@ class SamplingPlan:
         if group.final < size:
             state.open[pass_index] = group
 
-    def _finish(self, state: _Task, rollout: int) -> bool:
-        """Rollout ``rollout`` is final; False when it already was."""
+    def _finish(self, state: _Task, rollout: int, *, failed: bool = False) -> bool:
+        """Rollout ``rollout`` is final (``failed``: as an infra error); False when it
+        already was. A group final with a failed rollout of its own is replaced."""
         pass_index = rollout // self._stride
         group = state.open.get(pass_index)
         if group is not None:
@@ -291,8 +301,11 @@ class SamplingPlan:
                 state.outside += 1
                 return True
             group.final += 1
+            group.failed = group.failed or failed
             if group.final >= group.size:
                 del state.open[pass_index]  # final: from now on only counted
+                if group.failed:
+                    self._replace(state)
             return True
         if pass_index < state.next_pass:
             return False  # a final group's: counted already
@@ -303,6 +316,16 @@ class SamplingPlan:
         state.done += 1
         state.outside += 1
         return True
+
+    def _replace(self, state: _Task) -> None:
+        """A group of the task failed (an infra error): with passes to count, another pass
+        stands in for it, ``tasks.failed_group_reruns`` times per task at most."""
+        if self.cfg.passes and state.replaced < self.cfg.failed_group_reruns:
+            state.replaced += 1
+            state.planned -= 1
+            logger.info("a group failed on an infra error: another pass of the task will "
+                        "stand in for it (%d of %d)", state.replaced,
+                        self.cfg.failed_group_reruns)
 
     def _unfinish(self, state: _Task, rollout: int, size: int | None) -> None:
         """Resume: rollout ``rollout``'s last line so far is not final, it runs again. In a

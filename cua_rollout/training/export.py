@@ -57,7 +57,10 @@ Source = TrainingIndex | Iterable[ClaimedGroup | IndexedGroup]
 def _groups(source: Source, run: str | None, state: str | None
             ) -> Iterable[ClaimedGroup | IndexedGroup]:
     if isinstance(source, TrainingIndex):
-        return source.groups(run=run, state=state)
+        groups = source.groups(run=run, state=state)
+        if state is None:  # a failed group is listed only when asked for by its state
+            return (g for g in groups if g.state != "failed_infra")
+        return groups
     if run is not None or state is not None:
         raise ValueError("run and state select the groups of an index, not of a list")
     return source
@@ -102,7 +105,8 @@ def _step_row(row: dict[str, Any], step: dict[str, Any], directory: Path) -> dic
 def export_rows(source: Source, *, per: Literal["episode", "step"] = "episode",
                 run: str | None = None, state: str | None = None) -> Iterator[dict[str, Any]]:
     """The rows of ``source``'s groups, group by group in their rollout order. ``run`` and
-    ``state`` (ready/claimed/acked) select an index's groups (None: all). Step rows need each
+    ``state`` (ready/claimed/acked/failed_infra) select an index's groups (None: all but
+    ``failed_infra`` ones, which are never trained: docs/training.md). Step rows need each
     episode's traj.jsonl: a missing or broken one raises ``TrainingIndexError`` (a masked
     episode without one has no step rows)."""
     if per not in PER:

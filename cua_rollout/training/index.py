@@ -88,7 +88,10 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 SCHEMA_VERSION = 1
-STATES = ("ready", "claimed", "acked")
+# failed_infra: an episode of the group ended infra_error (its retries used up): the group is
+# never handed out (a smaller group would skew its advantages); a later line of that episode
+# (a rerun on resume) that is scored makes it ready.
+STATES = ("ready", "claimed", "acked", "failed_infra")
 # Episode ids per IN (...) list: below every backend's bound-parameter limit.
 _CHUNK = 500
 # Groups per transaction when reindexing: each holds a lock (PostgreSQL's lock table is finite).
@@ -591,7 +594,7 @@ class TrainingIndex:
         state = conn.execute(select(_groups.c.state).where(where)).scalar()
         if state is not None and not changed:
             return None
-        if state not in (None, "ready"):
+        if state not in (None, "ready", "failed_infra"):
             log.warning("run %s, group %s: an episode changed after the group was %s; the "
                         "group is left as it was (reindex into a new database to rebuild it)",
                         run, group_id, state)
@@ -609,13 +612,14 @@ class TrainingIndex:
             "max_version_seq": max(seqs) if seqs else None,
             "mixed_versions": group["mixed_versions"],
         }
+        settled = "failed_infra" if group["infra_failures"] else "ready"
         if state is None:
             conn.execute(insert(_groups).values(
-                run=run, group_id=group_id, created_at=self._clock(), state="ready", claims=0,
-                **values))
+                run=run, group_id=group_id, created_at=self._clock(), state=settled,
+                claims=0, **values))
             return {**group, "_outcome": "groups_created"}
-        done = conn.execute(update(_groups).where(where, _groups.c.state == "ready")
-                            .values(**values))
+        done = conn.execute(update(_groups).where(where, _groups.c.state == state)
+                            .values(state=settled, **values))
         if done.rowcount == 0:  # claimed in the meantime (PostgreSQL: no lock against claims)
             log.warning("run %s, group %s: an episode changed as the group was claimed; the "
                         "group is left as it was", run, group_id)

@@ -140,28 +140,44 @@ def test_a_group_is_made_when_its_last_episode_arrives(index, tmp_path):
                                  pass_index=0, group_size=4, episodes=records)
     assert group["mean"] == 0.5 and group["std"] == 0.5
     status = index.status()
-    assert status["groups"] == {"ready": 1, "claimed": 0, "acked": 0, "total": 1}
+    assert status["groups"] == {"ready": 1, "claimed": 0, "acked": 0, "failed_infra": 0,
+                                "total": 1}
     assert status["episodes"] == 4 and status["newest_version"] == "v1"
     # The same line again changes nothing.
     assert index.record_episode(RUN, tmp_path, records[3]) is None
     assert index.status()["groups"]["total"] == 1
 
 
-def test_an_infra_error_rerun_rebuilds_a_ready_group_not_a_claimed_one(index, tmp_path, caplog):
-    records = four("t0", (1.0, None, 0.0, 0.0)) + four("t1", (1.0, None, 0.0, 0.0))
-    index.record_episodes(RUN, tmp_path, records)
-    claimed = index.claim_groups(1, "a")
-    assert [c.group_id for c in claimed] == ["chrome/t0/pass-0"]
-    assert claimed[0].group["masked"] == ["chrome/t0/1"]
+def test_a_group_with_an_infra_error_is_never_handed_out_until_a_rerun_scores_it(
+        index, tmp_path):
+    """Issue 34: a group is never trained partial. Its infra error (retries used up) fails it
+    as a whole (state failed_infra): no claim hands it out; a rerun's scored line makes it
+    ready, whole."""
+    records = four("t0", (1.0, None, 0.0, 0.0)) + four("t1", (1.0, 0.0, 0.0, 1.0))
+    made = index.record_episodes(RUN, tmp_path, records)
+    assert {g["group_id"]: g["infra_failures"] for g in made} == {
+        "chrome/t0/pass-0": 1, "chrome/t1/pass-0": 0}
+    assert index.status()["groups"] == {"ready": 1, "claimed": 0, "acked": 0,
+                                        "failed_infra": 1, "total": 2}
+    assert [c.group_id for c in index.claim_groups(5, "a")] == ["chrome/t1/pass-0"]
+    assert index.claim_groups(5, "b") == []
+    assert [g.group_id for g in index.groups(state="failed_infra")] == ["chrome/t0/pass-0"]
 
-    rebuilt = index.record_episode(RUN, tmp_path, episode("t1", 1, "success", 1.0))
+    rebuilt = index.record_episode(RUN, tmp_path, episode("t0", 1, "success", 1.0))
     assert rebuilt is not None and rebuilt["masked"] == [] and rebuilt["mean"] == 0.5
+    [claim] = index.claim_groups(5, "b")
+    assert claim.group_id == "chrome/t0/pass-0"
+    assert claim.group["rewards"] == [1.0, 1.0, 0.0, 0.0]
+
+
+def test_a_change_to_a_claimed_group_is_logged_and_left_out(index, tmp_path, caplog):
+    index.record_episodes(RUN, tmp_path, four("t0", (1.0, 0.0, 0.0, 0.0)))
+    assert len(index.claim_groups(1, "a")) == 1
     with caplog.at_level(logging.WARNING, logger="cua_rollout.training.index"):
         assert index.record_episode(RUN, tmp_path, episode("t0", 1, "success", 1.0)) is None
     assert "chrome/t0/pass-0" in caplog.text and "claimed" in caplog.text
-    groups = {g.group_id: g for g in index.groups()}
-    assert groups["chrome/t1/pass-0"].group["rewards"] == [1.0, 1.0, 0.0, 0.0]
-    assert groups["chrome/t0/pass-0"].group["rewards"] == [1.0, None, 0.0, 0.0]
+    [group] = index.groups()
+    assert group.state == "claimed" and group.group["rewards"] == [1.0, 0.0, 0.0, 0.0]
 
 
 def test_reindex_equals_incremental_and_is_idempotent(tmp_path):
@@ -294,7 +310,8 @@ def test_four_threads_claim_each_group_once(tmp_path):
         t.join()
     claimed = [g for mine in got.values() for g in mine]
     assert sorted(claimed) == sorted(expected)  # disjoint and complete
-    assert index.status()["groups"] == {"ready": 0, "claimed": 0, "acked": 40, "total": 40}
+    assert index.status()["groups"] == {"ready": 0, "claimed": 0, "acked": 40,
+                                             "failed_infra": 0, "total": 40}
     index.close()
 
 
@@ -416,14 +433,13 @@ def test_groups_without_signal_can_be_skipped(index, tmp_path):
 
 
 def test_claims_carry_the_episodes_and_their_steps(index, tmp_path):
-    run_dir = write_run(tmp_path / "run", four("t0", (1.0, None, 0.0, 1.0)))
+    run_dir = write_run(tmp_path / "run", four("t0", (1.0, 0.0, 0.0, 1.0)))
     index.reindex(run_dir)
     [claim] = index.claim_groups(1, "a", load_steps=True)
     assert [e["episode_id"] for e in claim.episodes] == [f"chrome/t0/{i}" for i in range(4)]
     first = claim.episodes[0]
     assert first["dir"] == str(run_dir.resolve() / "chrome/t0/0")
     assert first["steps"] == steps_of(first)
-    assert claim.episodes[1]["status"] == "infra_error" and claim.episodes[1]["steps"] == []
 
 
 def test_a_missing_trajectory_is_named_and_the_claim_given_back(index, tmp_path):
@@ -445,24 +461,28 @@ def test_exports_reproduce_the_files(index, tmp_path):
     import pyarrow as pa
     import pyarrow.parquet as pq
 
-    records = four("t0", (1.0, None, 0.0, 0.0)) + four("t1", (0.0, 1.0, 1.0, 1.0), version="v2")
-    run_dir = write_run(tmp_path / "run", records)
+    failed = four("t2", (1.0, None, 0.0, 0.0))  # failed_infra: never trained, not exported
+    records = four("t0", (1.0, 0.0, 0.0, 0.0)) + four("t1", (0.0, 1.0, 1.0, 1.0), version="v2")
+    run_dir = write_run(tmp_path / "run", records + failed)
     index.reindex(run_dir)
-    by_id = {r["episode_id"]: r for r in records}
+    by_id = {r["episode_id"]: r for r in records + failed}
     groups = {g.group_id: g.group for g in index.groups()}
 
     rows = list(export_rows(index, per="episode"))
     assert [r["episode_id"] for r in rows] == [r["episode_id"] for r in records]
+    asked = list(export_rows(index, per="episode", state="failed_infra"))
+    assert [r["episode_id"] for r in asked] == [r["episode_id"] for r in failed]
+    assert asked[1]["advantage"] is None and asked[0]["advantage"] > 0
     for row in rows:
         group = groups[row["group_id"]]
         assert row["reward"] == (None if row["status"] == "infra_error"
                                  else by_id[row["episode_id"]]["reward"])
         assert row["advantage"] == group["advantages"][row["episode_id"]]
         assert (row["group_mean"], row["group_std"]) == (group["mean"], group["std"])
-    assert rows[1]["advantage"] is None and rows[0]["advantage"] > 0 > rows[2]["advantage"]
+    assert rows[0]["advantage"] > 0 > rows[1]["advantage"]
 
     step_rows = list(export_rows(index, per="step"))
-    assert len(step_rows) == 7 * 2                    # the infra error has no trajectory
+    assert len(step_rows) == 8 * 2
     for row in step_rows:
         expected = steps_of(by_id[row["episode_id"]])[row["step_num"] - 1]
         for key in ("prompt_token_ids", "token_ids", "logprobs", "images", "response"):
@@ -474,10 +494,10 @@ def test_exports_reproduce_the_files(index, tmp_path):
 
     out = tmp_path / "out"
     out.mkdir()
-    assert export(out / "steps.jsonl", index, per="step") == 14
+    assert export(out / "steps.jsonl", index, per="step") == 16
     lines = [json.loads(x) for x in (out / "steps.jsonl").read_text().splitlines()]
     assert lines == step_rows
-    assert export(out / "steps.parquet", index, per="step") == 14
+    assert export(out / "steps.parquet", index, per="step") == 16
     table = pq.read_table(out / "steps.parquet")
     assert table.schema.field("token_ids").type.value_type == pa.int64()
     assert table.schema.field("prompt_token_ids").type.value_type == pa.int64()
@@ -543,7 +563,8 @@ def test_cli_round_trip(tmp_path, capsys):
     assert code == 0 and json.loads(out)["rows"] == 16
     code, out, _ = cli(capsys, "--run-dir", run_dir, "status")
     status = json.loads(out)
-    assert status["groups"] == {"ready": 1, "claimed": 0, "acked": 2, "total": 3}
+    assert status["groups"] == {"ready": 1, "claimed": 0, "acked": 2,
+                                "failed_infra": 0, "total": 3}
 
 
 def test_cli_ack_of_a_lost_claim_fails(tmp_path, capsys):

@@ -236,7 +236,7 @@ def test_writers_and_consumers_at_once(db_url, tmp_path):
     with TrainingIndex(db_url) as index:
         status = index.status()
         assert status["groups"] == {"ready": 0, "claimed": 0, "acked": len(every),
-                                    "total": len(every)}
+                                    "failed_infra": 0, "total": len(every)}
         assert status["episodes"] == len(every) * GROUP_SIZE
         assert status["versions"] == 4 and status["newest_version"] == "v3"
 
@@ -281,7 +281,8 @@ def test_a_killed_consumers_groups_return_after_its_lease(db_url, tmp_path):
             ("run", h["group_id"]) for h in held]
         assert index.ack(again) == []
         status = index.status()
-        assert status["groups"] == {"ready": 0, "claimed": 0, "acked": 6, "total": 6}
+        assert status["groups"] == {"ready": 0, "claimed": 0, "acked": 6,
+                                    "failed_infra": 0, "total": 6}
 
 
 def test_schema_opened_by_many_processes_at_once(db_url):

@@ -30,6 +30,7 @@ tasks:
   poll_interval_s: 30
   dynamic_rollouts: {enabled: true, threshold: 0.75, min_n: 2, window: 8}
   rerun_infra_errors: false
+  failed_group_reruns: 1
   passes: 3
   checkpoint_barrier: {enabled: true, timeout_s: 600}
   mode: desktop
@@ -216,6 +217,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
     assert cfg.storage.step_files == "storage"
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
+    assert cfg.tasks.failed_group_reruns == 1
     assert cfg.coordinator.outage_give_up_s == 600
     assert cfg.run_dir == Path("out/exp-1")
     assert cfg.tasks.metric_variant == "original" and cfg.tasks.needs_desktops

@@ -617,6 +617,44 @@ def test_a_new_pass_waits_until_the_tasks_group_is_final(tmp_path: Path) -> None
     assert not loader.exhausted()  # passes: 0 never ends
 
 
+def test_a_failed_group_is_replaced_by_another_pass_a_bounded_number_of_times(
+        tmp_path: Path) -> None:
+    """Issue 34: a group with an infra error (retries used up) failed as a whole and does
+    not count as a pass: another group stands in, failed_group_reruns times per task."""
+    loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2, passes=1,
+                     failed_group_reruns=2)
+    for expected_pass in (0, 1, 2):
+        group = loader.poll()
+        assert loader.total_known() == 2 * (expected_pass + 1)
+        assert [(s.rollout, s.pass_index) for s in group] == [
+            (2 * expected_pass, expected_pass), (2 * expected_pass + 1, expected_pass)]
+        _scored(loader, 1.0, rollout=group[0].rollout)
+        _scored(loader, None, rollout=group[1].rollout)  # the group fails
+        assert loader.exhausted() == (expected_pass == 2)  # a replacement is due, or not
+    # Two replacements used: the third failure ends the task.
+    assert loader.poll() == [] and loader.exhausted()
+    assert loader.total_known() == 6
+
+    # A resumed run reads the same from its lines: three groups, each failed, nothing more.
+    _results(tmp_path, [json.dumps({
+        "domain": "calculator", "task_id": "calc-add", "rollout": r, "pass_index": r // 2,
+        "group_size": 2, "status": "infra_error" if r % 2 else "success",
+        "reward": None if r % 2 else 1.0}) for r in range(6)])
+    again = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2, passes=1,
+                    failed_group_reruns=2, rerun_infra_errors=False)
+    assert again.poll() == [] and again.exhausted()
+
+
+def test_a_group_scored_whole_is_a_pass_and_zero_reruns_keep_the_failed_one(
+        tmp_path: Path) -> None:
+    loader = _loader(tmp_path, task_ids=["calc-add"], rollouts_per_task=2, passes=1,
+                     failed_group_reruns=0)
+    group = loader.poll()
+    for spec in group:
+        _scored(loader, None, rollout=spec.rollout)
+    assert loader.poll() == [] and loader.exhausted() and loader.total_known() == 2
+
+
 def test_a_resumed_run_finds_its_groups_again(tmp_path: Path) -> None:
     """Pass 1 of 3 planned with 3 of 4 rollouts, one done: its other two run, as planned
     (not resized), and pass 2 waits for them."""
