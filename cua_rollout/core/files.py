@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import hashlib
 import json
 import logging
 import os
@@ -16,9 +17,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
 
-__all__ = ["DirectoryLock", "JsonLine", "LockHeld", "append_text", "fsync_dir", "iter_jsonl",
-           "iter_jsonl_lines", "read_json", "repair_jsonl_tail", "replace_atomic",
-           "write_atomic"]
+__all__ = ["DirectoryLock", "JsonLine", "LineMark", "LockHeld", "append_text", "fsync_dir",
+           "iter_jsonl", "iter_jsonl_lines", "iter_lines_from", "last_line_mark", "read_json",
+           "repair_jsonl_tail", "replace_atomic", "write_atomic"]
 
 # How much of a JSONL file's end is read at a time to find its last newline.
 _TAIL_CHUNK_BYTES = 64 * 1024
@@ -88,11 +89,12 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def append_text(path: Path, text: str, *, fsync: bool = False) -> None:
+def append_text(path: Path, text: str | bytes, *, fsync: bool = False) -> int:
     """Append ``text`` (whole lines) to ``path`` and push it to the OS, all or nothing: a
     write that fails part-way (disk full) is cut back to the file's size before it, so the
-    next append never glues onto half a line."""
-    data = text.encode("utf-8")
+    next append never glues onto half a line. Returns the offset ``text`` starts at (the
+    file's size before it: exact while this process is the file's one writer)."""
+    data = text.encode("utf-8") if isinstance(text, str) else text
     fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
     try:
         size = os.fstat(fd).st_size
@@ -110,6 +112,7 @@ def append_text(path: Path, text: str, *, fsync: bool = False) -> None:
         os.close(fd)
     if fsync and size == 0:
         fsync_dir(path.parent)  # a file just created: its directory entry too
+    return size
 
 
 def read_json(path: Path) -> Any:
@@ -175,6 +178,79 @@ def iter_jsonl_lines(lines: Iterable[str]) -> Iterator[JsonLine]:
             yield JsonLine(number, json.loads(raw))
         except json.JSONDecodeError as exc:
             yield JsonLine(number, error=exc)
+
+
+@dataclass(frozen=True)
+class LineMark:
+    """Where one line of a JSONL file is (``start`` to ``end``, bytes, its newline included)
+    and a digest of its bytes: a reader that stored a mark finds the same line there again,
+    or knows the file changed under it (rewritten by a compaction, replaced, cut)."""
+
+    start: int
+    end: int
+    digest: str
+
+    @classmethod
+    def of(cls, start: int, line: bytes) -> LineMark:
+        return cls(start, start + len(line), hashlib.sha1(line).hexdigest()[:16])
+
+    def found_in(self, path: Path) -> bool:
+        """Whether ``path`` holds this very line at this place."""
+        if not 0 <= self.start < self.end or self.end - self.start > 1 << 24:
+            return False
+        try:
+            with open(path, "rb") as f:
+                f.seek(self.start)
+                line = f.read(self.end - self.start)
+        except OSError:
+            return False
+        return len(line) == self.end - self.start and LineMark.of(self.start, line) == self
+
+    def to_json(self) -> list[Any]:
+        return [self.start, self.end, self.digest]
+
+    @classmethod
+    def from_json(cls, value: Any) -> LineMark | None:
+        """A stored mark, or None when ``value`` is none (a reader then starts over)."""
+        if (isinstance(value, list) and len(value) == 3
+                and all(isinstance(v, int) and not isinstance(v, bool) for v in value[:2])
+                and isinstance(value[2], str)):
+            return cls(value[0], value[1], value[2])
+        return None
+
+
+def last_line_mark(path: Path, *, chunk: int = _TAIL_CHUNK_BYTES) -> LineMark | None:
+    """The mark of the last complete (newline-ended) line of ``path``; None when it has
+    none or cannot be read. Reads back from the end, a chunk at a time."""
+    try:
+        with open(path, "rb") as f:
+            size = f.seek(0, os.SEEK_END)
+            buf, pos = b"", size
+            while pos > 0:
+                step = min(chunk, pos)
+                pos -= step
+                f.seek(pos)
+                buf = f.read(step) + buf
+                last_nl = buf.rfind(b"\n")
+                if last_nl < 0:
+                    continue  # no line ends in what was read yet
+                before = buf.rfind(b"\n", 0, last_nl)
+                if before >= 0 or pos == 0:
+                    return LineMark.of(pos + before + 1, buf[before + 1:last_nl + 1])
+            return None
+    except OSError:
+        return None
+
+
+def iter_lines_from(path: Path, offset: int = 0) -> Iterator[tuple[int, bytes]]:
+    """The lines of ``path`` from byte ``offset`` (a line's start), each with its start
+    offset, read one at a time (a last line without its newline too)."""
+    with open(path, "rb") as f:
+        f.seek(offset)
+        pos = offset
+        for line in f:
+            yield pos, line
+            pos += len(line)
 
 
 class LockHeld(Exception):

@@ -15,6 +15,8 @@ from typing import Any
 from cua_rollout.config import StorageConfig
 from cua_rollout.core.aio import backoff_s
 from cua_rollout.core.errors import StorageError
+from cua_rollout.core.files import LineMark, last_line_mark
+from cua_rollout.core.layout import RESULTS_FILE
 from cua_rollout.training import TrainingIndex, default_url, index_url
 
 __all__ = ["IndexFeed"]
@@ -40,21 +42,25 @@ class IndexFeed:
         self.index: TrainingIndex | None = None
         self.pending = 0                              # records queued or being written
         self._run_name = run_dir.name
-        self._queue: asyncio.Queue[dict[str, Any]] | None = None
+        self._queue: asyncio.Queue[tuple[dict[str, Any], LineMark | None]] | None = None
         self._task: asyncio.Task[None] | None = None
         self._write: asyncio.Future[Any] | None = None  # the last index transaction
 
-    async def open(self, run_name: str) -> dict[str, Any]:
+    async def open(self, run_name: str) -> dict[str, Any] | None:
         """Open the trainer's index and bring it up to date with results.jsonl (a crash
-        between a line and its index write, a rerun, a deleted database). A database that
-        cannot be opened is a ``StorageError`` naming it: the run does not start."""
+        between a line and its index write, a rerun, a deleted database): the lines after
+        the index's cursor only, when it is still valid (``TrainingIndex.reindex``), so a
+        start does not cost the length of the run. A database that cannot be opened is a
+        ``StorageError`` naming it: the run does not start."""
         self._run_name = run_name
         url = index_url(self.cfg.database_url or default_url(self.run_dir),
                         self.cfg.database_password_env)
         try:
             self.index = await asyncio.to_thread(TrainingIndex, url)
-            synced: dict[str, Any] = await asyncio.to_thread(self.index.reindex, self.run_dir,
-                                                             run_name)
+            synced: dict[str, Any] | None = None
+            if (self.run_dir / RESULTS_FILE).exists():  # else a new run: nothing to read
+                synced = await asyncio.to_thread(
+                    self.index.reindex, self.run_dir, run_name, resume=True)
         except Exception as exc:
             raise StorageError(f"storage.database_url: the trainer's index cannot be used: "
                                f"{exc}") from exc
@@ -62,13 +68,21 @@ class IndexFeed:
         self._task = asyncio.create_task(self._writer())
         return synced
 
-    def recorded(self, record: dict[str, Any]) -> None:
-        """A results.jsonl line is durable: queue its record for the index."""
-        # A cancelled line (a cut straggler) is not final: the trainer sees its rerun.
-        if self._queue is None or record.get("status") == "cancelled":
+    async def rewritten(self) -> None:
+        """The storage's compaction rewrote results.jsonl after ``open`` indexed it whole:
+        the cursor moves to the new file's last line (every line of it was in the old one,
+        and is in the index)."""
+        if self.index is not None:
+            mark = await asyncio.to_thread(last_line_mark, self.run_dir / RESULTS_FILE)
+            await asyncio.to_thread(self.index.set_cursor, self._run_name, mark)
+
+    def recorded(self, record: dict[str, Any], mark: LineMark | None = None) -> None:
+        """A results.jsonl line (at ``mark``) is durable: queue its record for the index (a
+        cancelled one only moves the cursor: not final, the trainer sees its rerun)."""
+        if self._queue is None:
             return
         self.pending += 1
-        self._queue.put_nowait(record)
+        self._queue.put_nowait((record, mark))
 
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued result is in the index; False after ``timeout_s``."""
@@ -98,14 +112,17 @@ class IndexFeed:
         index = self.index
         failures = 0
         while True:
-            batch = [await self._queue.get()]
-            while len(batch) < _INDEX_BATCH and not self._queue.empty():
-                batch.append(self._queue.get_nowait())
+            queued = [await self._queue.get()]
+            while len(queued) < _INDEX_BATCH and not self._queue.empty():
+                queued.append(self._queue.get_nowait())
+            batch = [record for record, _ in queued]
+            cursor = queued[-1][1]  # the lines come in the file's order
             while True:
                 # Shielded: a cancel (close) stops the wait, not the transaction in its
                 # thread, which close awaits before it closes the database's connections.
                 write = self._write = asyncio.ensure_future(asyncio.to_thread(
-                    index.record_episodes, self._run_name, str(self.run_dir), batch))
+                    index.record_episodes, self._run_name, str(self.run_dir), batch,
+                    cursor=cursor))
                 try:
                     groups = await asyncio.shield(write)
                     break
@@ -122,6 +139,6 @@ class IndexFeed:
             if failures:
                 log.info("storage: the index is written again")
                 failures = 0
-            self.counters["indexed"] += len(batch)
+            self.counters["indexed"] += sum(r.get("status") != "cancelled" for r in batch)
             self.counters["groups"] += len(groups)
             self.pending -= len(batch)

@@ -38,6 +38,7 @@ import errno
 import json
 import logging
 import os
+import re
 import shutil
 import threading
 import time
@@ -56,6 +57,7 @@ import aiofiles.os
 from cua_rollout.config import StorageConfig
 from cua_rollout.core.errors import ConfigError, StorageError
 from cua_rollout.core.files import (
+    LineMark,
     append_text,
     fsync_dir,
     read_json,
@@ -143,7 +145,7 @@ class StorageActor:
                          "metrics": 0, "dropped_stale": 0, "errors": 0, "bytes": 0}
         # Called with each record once its results.jsonl line is durable (never raising
         # into the write: a subscriber's failure is logged).
-        self.subscribers: list[Callable[[dict[str, Any]], None]] = []
+        self.subscribers: list[Callable[[dict[str, Any], LineMark | None], None]] = []
         self.index_feed = IndexFeed(self.run_dir, self.cfg, on_error=self._index_error)
 
     # ----------------------------------------------------------------- run
@@ -156,11 +158,19 @@ class StorageActor:
         self._ensure_writers()
         await aiofiles.os.makedirs(self.run_dir, exist_ok=True)
         cut = await asyncio.to_thread(repair_jsonl_tail, self.run_dir / RESULTS_FILE)
+        previous = await asyncio.to_thread(read_json, self.run_dir / RUN_FILE)
+        synced = None
+        if self.cfg.index:
+            # Before the compaction: the index's cursor is a place in the file as the last
+            # start left it, so only the lines since then are read.
+            run_name = str(info.get("run") or self.run_dir.name)
+            synced = await self.index_feed.open(run_name)
         compacted = await asyncio.to_thread(
             compact_results, self.run_dir / RESULTS_FILE,
             self.run_dir / SUPERSEDED_RESULTS_FILE,
             ("infra_error",) if rerun_infra_errors else (), fsync=self.cfg.fsync)
-        previous = await asyncio.to_thread(read_json, self.run_dir / RUN_FILE)
+        if self.cfg.index and compacted["rewritten"]:
+            await self.index_feed.rewritten()
         self._run_info = {
             **info,
             "run_dir": str(self.run_dir),
@@ -175,10 +185,7 @@ class StorageActor:
             self._run_info["previous_starts"] = starts
         await self._write_atomic(self.run_dir / RUN_FILE, _dumps(self._run_info).encode())
         await self._open_attempts(sweep=True)
-        synced = None
         if self.cfg.index:
-            synced = await self.index_feed.open(str(self._run_info.get("run")
-                                                    or self.run_dir.name))
             self.subscribers.append(self.index_feed.recorded)
         return {"results_tail_cut_bytes": cut, "results_compacted": compacted,
                 "index": synced}
@@ -342,11 +349,12 @@ class StorageActor:
     def _index_error(self, error: str) -> None:
         self.last_error = error
 
-    def _published(self, record: dict[str, Any]) -> None:
-        """The record's line is durable: hand it to each subscriber."""
+    def _published(self, record: dict[str, Any], mark: LineMark | None) -> None:
+        """The record's line (at ``mark`` in results.jsonl) is durable: hand it to each
+        subscriber, in the file's order."""
         for subscriber in self.subscribers:
             try:
-                subscriber(record)
+                subscriber(record, mark)
             except Exception:  # the line is written: a subscriber cannot undo that
                 log.exception("storage: a subscriber of results failed")
 
@@ -517,12 +525,12 @@ class StorageActor:
             assert self._results_lock is not None
             async with self._results_lock:
                 try:
-                    errors = await asyncio.to_thread(_record_results, plans,
-                                                     self.run_dir / RESULTS_FILE,
-                                                     self.cfg.fsync)
+                    errors, marks = await asyncio.to_thread(_record_results, plans,
+                                                            self.run_dir / RESULTS_FILE,
+                                                            self.cfg.fsync)
                 except Exception as exc:  # the append itself (disk full): every line of it
-                    errors = [exc] * len(plans)
-            for plan, error in zip(plans, errors, strict=True):
+                    errors, marks = [exc] * len(plans), [None] * len(plans)
+            for plan, error, mark in zip(plans, errors, marks, strict=True):
                 if error is not None:
                     self._result_failed(plan.job, error)
                     continue
@@ -531,7 +539,7 @@ class StorageActor:
                     self.counters["episodes"] += 1
                 assert plan.job.done is not None
                 plan.job.done.set_result(None)
-                self._published(plan.record)
+                self._published(plan.record, mark)
 
     def _result_failed(self, job: _Job, exc: Exception) -> None:
         self._write_failed(job, exc)
@@ -705,10 +713,11 @@ class _ResultPlan:
 
 
 def _record_results(plans: list[_ResultPlan], results: Path, fsync: bool
-                    ) -> list[Exception | None]:
-    """Each plan's files put in place, then the lines of those that were, in one append."""
+                    ) -> tuple[list[Exception | None], list[LineMark | None]]:
+    """Each plan's files put in place, then the lines of those that were, in one append;
+    per plan the error, or where its line is."""
     errors: list[Exception | None] = []
-    lines = []
+    lines: list[bytes] = []
     for plan in plans:
         try:
             _place(plan, fsync)
@@ -716,10 +725,17 @@ def _record_results(plans: list[_ResultPlan], results: Path, fsync: bool
             errors.append(exc)
             continue
         errors.append(None)
-        lines.append(_dumps(plan.record) + "\n")
+        lines.append((_dumps(plan.record) + "\n").encode("utf-8"))
+    marks: list[LineMark | None] = [None] * len(plans)
     if lines:
-        append_text(results, "".join(lines), fsync=fsync)
-    return errors
+        at = append_text(results, b"".join(lines), fsync=fsync)
+        written = iter(lines)
+        for i, error in enumerate(errors):
+            if error is None:
+                line = next(written)
+                marks[i] = LineMark.of(at, line)
+                at += len(line)
+    return errors, marks
 
 
 def _place(plan: _ResultPlan, fsync: bool) -> None:
@@ -767,7 +783,7 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
     runs again), since a final one never runs again. So the first read remembers only the
     episodes with such a line, with the number of their last line; the second one copies.
     Two final lines of one episode, which no run writes, are both kept."""
-    counts = {"kept": 0, "superseded": 0, "dropped": 0, "broken": 0}
+    counts = {"kept": 0, "superseded": 0, "dropped": 0, "broken": 0, "rewritten": 0}
     moving = False
     records = 0
     watched: dict[str, int] = {}  # episode with a line not final -> its last line's number
@@ -817,8 +833,32 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
             else:
                 os.truncate(archive, archive_size)
         raise
+    counts["rewritten"] = 1
     log.warning("%s: %s", path, ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
+
+
+# This actor's own lines start with the episode id, its status a few flat fields later
+# (``_dumps`` of ``EpisodeResult.record``): both are read from the bytes, without a JSON parse
+# of the rest (a compaction's scan of a long run's file). Any other line is parsed whole.
+_OWN_ID = re.compile(rb'\{"episode_id":("(?:[^"\\]|\\.)*"),')
+_STATUS_KEY = b',"status":"'
+
+
+def _own_line(raw: bytes) -> tuple[str, str] | None:
+    """``(episode_id, status)`` of a line as this actor writes it, or None (parse it)."""
+    own = _OWN_ID.match(raw)
+    if own is None or not raw.rstrip().endswith(b"}"):
+        return None
+    at = raw.find(_STATUS_KEY, own.end() - 1)
+    if at < 0 or b"{" in raw[1:at] or b"[" in raw[1:at]:  # status nested, or not flat
+        return None
+    first = at + len(_STATUS_KEY)
+    last = raw.find(b'"', first)
+    status = raw[first:last]
+    if last < 0 or not status.replace(b"_", b"").isalpha():
+        return None
+    return json.loads(own[1]), status.decode()
 
 
 def _result_lines(path: Path) -> Iterator[tuple[int, bytes, str | None, str | None]]:
@@ -828,6 +868,10 @@ def _result_lines(path: Path) -> Iterator[tuple[int, bytes, str | None, str | No
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
             if not raw.strip():
+                continue
+            own = _own_line(raw)
+            if own is not None:
+                yield number, raw, own[0], own[1]
                 continue
             try:
                 value = json.loads(raw.decode("utf-8", errors="replace"))

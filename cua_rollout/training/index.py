@@ -66,7 +66,13 @@ from sqlalchemy.dialects.mysql import LONGTEXT
 from sqlalchemy.engine import URL, Connection, Engine, make_url
 from sqlalchemy.exc import ArgumentError, IntegrityError, SQLAlchemyError
 
-from cua_rollout.core.files import iter_jsonl_lines, read_json
+from cua_rollout.core.files import (
+    LineMark,
+    iter_jsonl_lines,
+    iter_lines_from,
+    last_line_mark,
+    read_json,
+)
 from cua_rollout.core.http import redact_url
 from cua_rollout.core.layout import INDEX_FILE, RESULTS_FILE, RUN_FILE, TRAJ_FILE
 from cua_rollout.training.groups import fill_defaults, group_record, is_scored
@@ -277,6 +283,11 @@ def _dumps(value: Any) -> str:
 def _lock_key(run: str, group_id: str) -> int:
     digest = hashlib.blake2b(f"{run}\0{group_id}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big", signed=True)
+
+
+def _cursor_key(run: str) -> str:
+    """The meta row holding ``run``'s results cursor (a run name can be longer than a key)."""
+    return "results_cursor:" + hashlib.sha1(run.encode()).hexdigest()[:32]
 
 
 def _one_line(exc: BaseException) -> str:
@@ -506,17 +517,41 @@ class TrainingIndex:
         return made[0] if made else None
 
     def record_episodes(self, run: str, run_dir: str | Path,
-                        records: Iterable[Mapping[str, Any]]) -> list[dict[str, Any]]:
+                        records: Iterable[Mapping[str, Any]], *,
+                        cursor: LineMark | None = None) -> list[dict[str, Any]]:
         """``record_episode`` for many records in one transaction (the later of two records
-        of an episode wins); returns the groups created or rebuilt."""
-        made, _ = self._record(run, run_dir, list(records))
+        of an episode wins); returns the groups created or rebuilt. ``cursor``: the last of
+        those records' line in the run's results.jsonl, every line before it in the index
+        now: stored in the same transaction (``reindex(resume=True)`` starts after it)."""
+        made, _ = self._record(run, run_dir, list(records), cursor=cursor)
         return made
 
+    def cursor(self, run: str) -> LineMark | None:
+        """The line of ``run``'s results.jsonl up to which the index holds every line (as
+        its writer last stored it), or None."""
+        with self._reading() as conn:
+            value = conn.execute(select(_meta.c.value).where(
+                _meta.c.key == _cursor_key(run))).scalar()
+        return LineMark.from_json(json.loads(value)) if value else None
+
+    def set_cursor(self, run: str, mark: LineMark | None) -> None:
+        """Store (None: forget) the line up to which the index holds ``run``'s results: the
+        run's storage does so after a compaction rewrote the file it had indexed whole."""
+        with self._writing() as conn:
+            self._store_cursor(conn, run, mark)
+
+    @staticmethod
+    def _store_cursor(conn: Connection, run: str, mark: LineMark | None) -> None:
+        key = _cursor_key(run)
+        conn.execute(_meta.delete().where(_meta.c.key == key))
+        if mark is not None:
+            conn.execute(insert(_meta).values(key=key, value=json.dumps(mark.to_json())))
+
     def _record(self, run: str, run_dir: str | Path, records: list[Mapping[str, Any]],
-                changed: set[str] | None = None
+                changed: set[str] | None = None, cursor: LineMark | None = None
                 ) -> tuple[list[dict[str, Any]], Counter[str]]:
-        """Upsert ``records``; the groups created or rebuilt, and counts. ``changed`` gets
-        the groups whose episodes changed."""
+        """Upsert ``records`` (and store ``cursor``); the groups created or rebuilt, and
+        counts. ``changed`` gets the groups whose episodes changed."""
         run_dir = str(Path(run_dir).resolve())
         latest: dict[str, tuple[str, dict[str, Any]]] = {}  # episode_id -> (line, row)
         for raw in records:
@@ -527,6 +562,8 @@ class TrainingIndex:
             latest[row["episode_id"]] = (row["record"], row)
         counts: Counter[str] = Counter()
         if not latest:
+            if cursor is not None:
+                self.set_cursor(run, cursor)
             return [], counts
         by_start = sorted((r for _, r in latest.values()), key=lambda r: r["started_at"])
         self._register_versions(v for r in by_start for v in r["versions"])
@@ -572,6 +609,8 @@ class TrainingIndex:
                 if group is not None:
                     counts[group.pop("_outcome")] += 1
                     made.append(group)
+            if cursor is not None:
+                self._store_cursor(conn, run, cursor)
         return made, counts
 
     def _settle_group(self, conn: Connection, run: str, run_dir: str, group_id: str,
@@ -626,10 +665,16 @@ class TrainingIndex:
             return None
         return {**group, "_outcome": "groups_rebuilt"}
 
-    def reindex(self, run_dir: str | Path, run: str | None = None) -> dict[str, Any]:
+    def reindex(self, run_dir: str | Path, run: str | None = None, *,
+                resume: bool = False) -> dict[str, Any]:
         """Bring the run's rows in line with its results.jsonl (the last line of each
         episode wins; lines that are not JSON records are skipped with a warning). ``run``
-        defaults to run.json's ``run``, else the directory's name. Records without
+        defaults to run.json's ``run``, else the directory's name. ``resume``: read only
+        the lines after the run's cursor (``cursor``: what the storage's feed stored with
+        its last transaction), when that line is still where the cursor says; else, and
+        by default, the whole file. Either way the cursor ends at the last line read, so a
+        run's start costs what was written since the index last heard of it, not the run's
+        length (``from_byte`` in the counts says where reading began). Records without
         ``group_size`` complete their group only when run.json says the run ``finished``
         (with the episodes present). Idempotent; returns counts.
 
@@ -649,10 +694,18 @@ class TrainingIndex:
             raise FileNotFoundError(f"{run_dir}: not a run directory (no {RESULTS_FILE}, "
                                     f"no {RUN_FILE})")
         run = run or (str(info["run"]) if info.get("run") else run_dir.name)
+        start = 0
+        if resume:
+            mark = self.cursor(run)
+            if mark is not None and mark.found_in(results):
+                start = mark.end
+            elif mark is not None:
+                log.info("%s: not the file the index's cursor was stored for (rewritten "
+                         "by a compaction or replaced): read whole", results)
         counts: Counter[str] = Counter()
         first_use: dict[str, tuple[float, int, int]] = {}
         last_of: dict[str, int] = {}  # episode with a line a later one may supersede -> last
-        for number, record in self._result_records(results, run, run_dir, None):
+        for number, record, _ in self._result_records(results, run, run_dir, None, start):
             row_versions = fill_defaults(record)["model_versions"]
             for i, version in enumerate(row_versions):
                 use = (_started(record), number, i)
@@ -678,7 +731,9 @@ class TrainingIndex:
             batch.clear()
             batch_groups.clear()
 
-        for number, record in self._result_records(results, run, run_dir, counts):
+        last_read: LineMark | None = None
+        for number, record, mark in self._result_records(results, run, run_dir, counts, start):
+            last_read = mark
             seen_last = last_of.get(record["episode_id"])
             if seen_last is not None and seen_last != number:
                 continue  # superseded by a later line of the episode
@@ -695,6 +750,10 @@ class TrainingIndex:
             batch_groups.add(group_id)
         if batch:
             write()
+        if last_read is not None or start == 0:
+            # Everything up to the last line read is in now (a file that is gone or empty
+            # from the start: no cursor).
+            self.set_cursor(run, last_line_mark(results) if last_read is None else last_read)
         # A finished run's groups whose records never said their size: complete as they are.
         group_ids = sorted(legacy)
         for i in range(0, len(group_ids), _REINDEX_GROUPS):
@@ -711,7 +770,8 @@ class TrainingIndex:
             with_episodes = conn.execute(
                 select(func.count(func.distinct(_episodes.c.group_id)))
                 .where(_episodes.c.run == run)).scalar_one()
-        return {"run": run, "run_dir": str(run_dir), "lines": counts["lines"],
+        return {"run": run, "run_dir": str(run_dir), "from_byte": start,
+                "lines": counts["lines"],
                 "skipped": counts["skipped"], "episodes": episodes,
                 "inserted": counts["inserted"], "replaced": counts["replaced"],
                 "unchanged": counts["unchanged"], "groups": in_db,
@@ -720,32 +780,39 @@ class TrainingIndex:
                 "incomplete_groups": max(0, with_episodes - in_db)}
 
     @staticmethod
-    def _result_records(results: Path, run: str, run_dir: Path,
-                        counts: Counter[str] | None) -> Iterator[tuple[int, dict[str, Any]]]:
-        """The episode records of results.jsonl with their line numbers, read one line at a
-        time; with ``counts``, the lines are counted and those skipped logged."""
+    def _result_records(results: Path, run: str, run_dir: Path, counts: Counter[str] | None,
+                        start: int = 0
+                        ) -> Iterator[tuple[int, dict[str, Any], LineMark]]:
+        """The episode records of results.jsonl from byte ``start`` with their line numbers
+        (counted from there) and marks, read one line at a time; with ``counts``, the lines
+        are counted and those skipped logged."""
+        number = 0
         try:
-            with open(results, encoding="utf-8", errors="replace") as f:
-                for line in iter_jsonl_lines(f):
-                    value = line.value
-                    if line.error is not None:
-                        problem = f"not JSON ({line.error.msg})"
-                    elif not isinstance(value, dict):
-                        problem = "not an episode record"
+            for at, raw in iter_lines_from(results, start):
+                if not raw.strip():
+                    continue
+                number += 1
+                where = f"{results}:{number}" if start == 0 else f"{results} (byte {at})"
+                try:
+                    value = json.loads(raw)
+                except ValueError as exc:
+                    problem, value = f"not JSON ({exc})", None
+                else:
+                    problem = None if isinstance(value, dict) else "not an episode record"
+                if problem is None:
+                    try:
+                        _episode_row(run, str(run_dir), value)
+                    except ValueError as exc:
+                        problem = str(exc)
                     else:
-                        try:
-                            _episode_row(run, str(run_dir), value)
-                        except ValueError as exc:
-                            problem = str(exc)
-                        else:
-                            if counts is not None:
-                                counts["lines"] += 1
-                            yield line.number, value
-                            continue
-                    if counts is not None:
-                        counts["lines"] += 1
-                        counts["skipped"] += 1
-                        log.warning("%s:%d: %s, skipped", results, line.number, problem)
+                        if counts is not None:
+                            counts["lines"] += 1
+                        yield number, value, LineMark.of(at, raw)
+                        continue
+                if counts is not None:
+                    counts["lines"] += 1
+                    counts["skipped"] += 1
+                    log.warning("%s: %s, skipped", where, problem)
         except FileNotFoundError:
             return
 

@@ -73,11 +73,11 @@ async def test_a_runner_that_sees_the_run_directory_writes_the_step_files_itself
     at_line: list[list[str]] = []
     real_append = storage_module.append_text
 
-    def append(path: Path, text: str, **kw: Any) -> None:
+    def append(path: Path, text: str | bytes, **kw: Any) -> int:
         if path.name == RESULTS_FILE:
             at_line.append(sorted(p.name for p in (run / EPISODE).iterdir()))
             assert len(traj(run / EPISODE)) == 2
-        real_append(path, text, **kw)
+        return real_append(path, text, **kw)
 
     monkeypatch.setattr(storage_module, "append_text", append)
     writer = EpisodeWriter(storage, EPISODE, 0, files)
@@ -240,11 +240,11 @@ async def test_a_batch_of_results_is_placed_and_appended_at_once(
     appends: list[tuple[list[str], list[str]]] = []
     real_append = storage_module.append_text
 
-    def append(path: Path, text: str, **kw: Any) -> None:
+    def append(path: Path, text: str | bytes, **kw: Any) -> int:
         if path.name == RESULTS_FILE:
             placed = sorted(p.name for p in (run / "d" / "t").iterdir())
             appends.append(([json.loads(x)["episode_id"] for x in text.splitlines()], placed))
-        real_append(path, text, **kw)
+        return real_append(path, text, **kw)
 
     monkeypatch.setattr(storage_module, "append_text", append)
     order = [3, 0, 5, 1, 4, 2]

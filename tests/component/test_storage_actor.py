@@ -135,7 +135,8 @@ async def test_a_restart_streams_a_long_runs_results(tmp_path: Path):
     assert peak < size / 20, f"the start held {peak} bytes for a {size}-byte file"
     infra = len(range(0, episodes, 97))
     assert repaired["results_compacted"] == {
-        "kept": episodes - infra, "superseded": len(reruns), "dropped": infra, "broken": 0}
+        "kept": episodes - infra, "superseded": len(reruns), "dropped": infra, "broken": 0,
+        "rewritten": 1}
     assert path.read_bytes() == b"".join(kept + reruns)
     assert archive.read_bytes() == b"".join(moved)
     assert not list(run.glob(".results.jsonl.*"))  # no temporary file left
@@ -210,11 +211,11 @@ async def test_a_failing_index_is_retried_and_loses_nothing(tmp_path: Path, monk
     assert storage.index_feed.index is not None
     real, failures = storage.index_feed.index.record_episodes, [2]
 
-    def flaky(*args):
+    def flaky(*args, **kw):
         if failures[0]:
             failures[0] -= 1
             raise OSError("database is gone")
-        return real(*args)
+        return real(*args, **kw)
 
     storage.index_feed.index.record_episodes = flaky  # type: ignore[method-assign]
     await storage.record_result(_group_record("d/t/0", 1.0))
@@ -260,3 +261,61 @@ async def test_a_new_start_brings_the_index_up_to_date(tmp_path: Path):
     repaired = await storage.start_run({"run": "t"})
     assert repaired["index"]["groups"] == 1, repaired
     await storage.close()
+
+
+async def test_a_restart_reads_only_the_lines_the_index_has_not_had(tmp_path: Path):
+    """Issue 34: a restart's cost must not grow with the run. The index stores, with each
+    transaction, where in results.jsonl it is; a start reads what came after (nothing, when
+    the last start's lines all reached it), and a compaction that rewrites the file moves
+    that place to the new file's end instead of costing a whole read next time."""
+    run = tmp_path / "run"
+    storage = StorageActor(run)
+    assert (await storage.start_run({"run": "t"}))["index"] is None  # a new run: no file
+    for i in range(6):
+        await storage.record_result(_group_record(f"d/t/{i}", float(i % 2), size=2))
+    await storage.end_run("finished")
+    await storage.close()
+    size = (run / "results.jsonl").stat().st_size
+
+    storage = StorageActor(run)
+    synced = (await storage.start_run({"run": "t"}))["index"]
+    assert (synced["from_byte"], synced["lines"], synced["groups"]) == (size, 0, 1)
+    # An infra error (rerun at the next start: the compaction drops its line, rewriting the
+    # file) and a line the index misses (written with the index off).
+    await storage.record_result({**_group_record("d/u/0", 0.0), "status": "infra_error",
+                                 "reward": None, "group_id": "d/u/pass-0"})
+    await storage.end_run("stopped")
+    await storage.close()
+    with open(run / "results.jsonl", "a") as f:  # as a crash before its index write leaves it
+        f.write(json.dumps({**_group_record("d/v/0", 1.0, size=1),
+                            "group_id": "d/v/pass-0"}) + "\n")
+
+    storage = StorageActor(run)
+    repaired = await storage.start_run({"run": "t"})
+    synced = repaired["index"]
+    assert synced["from_byte"] == size + len(_line_of(run, "d/u/0"))  # after the infra line
+    assert (synced["lines"], synced["inserted"]) == (1, 1)            # d/v/0 only
+    assert repaired["results_compacted"]["dropped"] == 1
+    await storage.end_run("stopped")
+    await storage.close()
+    storage = StorageActor(run)
+    synced = (await storage.start_run({"run": "t"}))["index"]
+    assert synced["lines"] == 0 and synced["from_byte"] == (run / "results.jsonl").stat().st_size
+    # A file that is not the one the cursor was stored for is read whole.
+    (run / "results.jsonl").write_bytes(b"\n" + (run / "results.jsonl").read_bytes())
+    await storage.end_run("stopped")
+    await storage.close()
+    storage = StorageActor(run)
+    synced = (await storage.start_run({"run": "t"}))["index"]
+    assert synced["from_byte"] == 0 and synced["lines"] == 7 and synced["unchanged"] == 7
+    await storage.close()
+
+
+def _line_of(run: Path, episode_id: str) -> bytes:
+    for name in ("results.jsonl", "results.superseded.jsonl"):
+        path = run / name
+        if path.exists():
+            for line in path.read_bytes().splitlines(keepends=True):
+                if json.loads(line)["episode_id"] == episode_id:
+                    return line
+    raise AssertionError(episode_id)

@@ -100,7 +100,7 @@ def test_results_keep_one_line_per_episode_and_archive_the_rest(tmp_path: Path):
     index.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + '{"glued": 1}{"x"\n'
                      + "".join(json.dumps(r) + "\n" for r in rows[2:]))
     counts = compact_results(index, archive, ("infra_error",))
-    assert counts == {"kept": 2, "superseded": 1, "dropped": 1, "broken": 1}
+    assert counts == {"kept": 2, "superseded": 1, "dropped": 1, "broken": 1, "rewritten": 1}
     assert [(r["episode_id"], r["status"]) for r in lines(index)] == [
         ("d/b/0", "success"), ("d/a/0", "success")]
     assert len(archive.read_text().splitlines()) == 3  # nothing is lost

@@ -14,8 +14,12 @@ import pytest
 
 from cua_rollout.core.files import (
     DirectoryLock,
+    LineMark,
     LockHeld,
+    append_text,
     iter_jsonl,
+    iter_lines_from,
+    last_line_mark,
     repair_jsonl_tail,
     write_atomic,
 )
@@ -80,3 +84,32 @@ def test_credentials_in_urls_are_redacted_wherever_they_appear():
             "n": 3}
     assert redact_urls(dump) == {"model": {"endpoints": ["http://***@m:1"]},
                                  "argv": ["--set", "x=http://***@d:5"], "n": 3}
+
+
+@pytest.mark.parametrize("chunk", [1, 2, 5, 64 * 1024])
+@pytest.mark.parametrize(("content", "line"), [
+    (b"", None), (b"no newline yet", None), (b"a\n", b"a\n"), (b"a\nbb\n", b"bb\n"),
+    (b"a\nbb\ncut sho", b"bb\n"), (b"x" * 100 + b"\n" + "é".encode() * 150 + b"\n",
+                                   "é".encode() * 150 + b"\n"),
+])
+def test_the_last_complete_line_is_marked_and_found_again(tmp_path: Path, chunk: int,
+                                                          content: bytes, line: bytes | None):
+    path = tmp_path / "results.jsonl"
+    path.write_bytes(content)
+    mark = last_line_mark(path, chunk=chunk)
+    if line is None:
+        assert mark is None
+        return
+    assert mark is not None and content[mark.start:mark.end] == line
+    assert mark.found_in(path) and LineMark.from_json(mark.to_json()) == mark
+    path.write_bytes(b"!" + content)  # the file changed under the mark
+    assert not mark.found_in(path)
+    assert not LineMark(mark.start, mark.end + 10**9, mark.digest).found_in(path)
+    assert LineMark.from_json([1, "2", "x"]) is None and LineMark.from_json(None) is None
+
+
+def test_an_append_says_where_it_starts_and_lines_are_read_from_an_offset(tmp_path: Path):
+    path = tmp_path / "r.jsonl"
+    assert append_text(path, "one\n") == 0
+    assert append_text(path, b"two\nthree\n") == 4
+    assert list(iter_lines_from(path, 4)) == [(4, b"two\n"), (8, b"three\n")]
