@@ -21,6 +21,7 @@ results.jsonl are not run again. Decoupled trainers read the claim-based index i
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import logging
 import platform
@@ -59,7 +60,7 @@ from cua_rollout.runtime.launch import (
     uses_mode,
     versions,
 )
-from cua_rollout.runtime.loader import TaskLoader
+from cua_rollout.runtime.loader import TaskLoader, resume_plan
 from cua_rollout.runtime.progress import Progress
 from cua_rollout.runtime.status import StatusBoard, serve_status
 from cua_rollout.text.envs import check_text_modes
@@ -129,7 +130,12 @@ class Rollout:
                                   "wait for it to end or use another run.name") from None
         if self.tasks is not None:
             cfg = self.cfg = _with_given_tasks(cfg, self.run_dir, self.tasks)
-        TaskLoader(cfg.tasks, self.run_dir)
+        TaskLoader(cfg.tasks, self.run_dir, read_results=False)  # the task source, now
+        # A resumed run's results.jsonl (what is done, which groups are open) is read while
+        # Ray starts: its length must not add to a restart. Its errors are raised below.
+        reader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="resume")
+        resumed = reader.submit(resume_plan, cfg.tasks, self.run_dir)
+        reader.shutdown(wait=False)  # its thread ends with the read
         check_text_modes(cfg)
         if cfg.agent.constrain_actions:
             check_max_tokens(cfg.model.sampling.max_tokens)
@@ -145,6 +151,7 @@ class Rollout:
             cfg, model_state_dir = published_endpoints(cfg)
         if start_ray(cfg):
             stack.callback(ray.shutdown)
+        plan = resumed.result()
         if pool is not None:
             pool.wait_ready()
             cfg, model_state_dir = published_endpoints(cfg)
@@ -165,7 +172,7 @@ class Rollout:
         # Read results.jsonl after the storage repaired a line a crash may have cut. Tasks
         # that cannot be set up or scored here are reported and skipped now (pre-flight).
         self.loader = TaskLoader(cfg.tasks, self.run_dir, check=TaskChecker(cfg),
-                                 barrier=checkpoint_barrier(cfg, model_state_dir))
+                                 barrier=checkpoint_barrier(cfg, model_state_dir), plan=plan)
 
     def stop(self) -> None:
         """Runners, desktops and storage stopped (run.json closed with the status and, when

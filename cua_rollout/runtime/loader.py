@@ -26,7 +26,7 @@ from cua_rollout.runtime.task_sources import (
     make_source,
 )
 
-__all__ = ["TaskLoader", "load_benchmark", "load_tasks"]
+__all__ = ["TaskLoader", "load_benchmark", "load_tasks", "resume_plan"]
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,8 @@ class TaskLoader:
 
     def __init__(self, cfg: TasksConfig, run_dir: Path,
                  check: Callable[[dict[str, Any]], list[Any]] | None = None,
-                 barrier: Callable[[], str | None] | None = None) -> None:
+                 barrier: Callable[[], str | None] | None = None, *,
+                 plan: SamplingPlan | None = None, read_results: bool = True) -> None:
         self.cfg = cfg
         self.run_dir = Path(run_dir)
         # Pre-flight (cua_rollout.evaluation.preflight.TaskChecker): a task it finds problems
@@ -82,8 +83,15 @@ class TaskLoader:
         self._tasks: list[SourceTask] = []
         self._problems: list[TaskProblem] = []
         self._logged: set[TaskProblem] = set()
-        self.plan = SamplingPlan(cfg, barrier)
-        self._read_results()
+        # ``plan``: one ``resume_plan`` read already (while Ray started); ``read_results``
+        # False: a loader that only checks the task source.
+        if plan is not None:
+            plan.barrier = barrier
+            self.plan = plan
+        else:
+            self.plan = SamplingPlan(cfg, barrier)
+            if read_results:
+                _read_results(self.plan, self.run_dir)
 
     # ----------------------------------------------------------------- public
 
@@ -183,49 +191,59 @@ class TaskLoader:
             self._checked[key] = cached
         return cached[1]
 
-    def _read_results(self) -> None:
-        """Resume: results.jsonl goes to the plan line by line as it is read
-        (``SamplingPlan.resume``), so a long run's file is never held whole, nor an entry
-        per episode: the plan keeps the groups not final yet and counts the others."""
-        path = self.run_dir / RESULTS_FILE
+
+def resume_plan(cfg: TasksConfig, run_dir: Path) -> SamplingPlan:
+    """The sampling plan of a run resumed from its results.jsonl (``TaskLoader``'s ``plan``):
+    plain file reading, so the driver does it while Ray starts."""
+    plan = SamplingPlan(cfg)
+    _read_results(plan, Path(run_dir))
+    return plan
+
+
+def _read_results(plan: SamplingPlan, run_dir: Path) -> None:
+    """Resume: results.jsonl goes to the plan line by line as it is read
+    (``SamplingPlan.resume``), so a long run's file is never held whole, nor an entry per
+    episode: the plan keeps the groups not final yet and counts the others."""
+    path = run_dir / RESULTS_FILE
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            plan.resume(path, _result_lines(path, iter_jsonl_lines(f)))
+    except FileNotFoundError:
+        return
+
+
+def _result_lines(path: Path, lines: Iterable[JsonLine]) -> Iterator[ResultLine]:
+    """What the plan reads of each line; a line that names no episode is skipped."""
+    for line in lines:
+        record = line.value
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
-                self.plan.resume(path, self._result_lines(path, iter_jsonl_lines(f)))
-        except FileNotFoundError:
-            return
+            if line.error is not None:
+                raise line.error
+            key = _episode_key(record)
+        except (KeyError, TypeError, ValueError) as exc:
+            # A crash can cut the last line short; that episode simply runs again.
+            logger.warning("%s:%d: unreadable result line skipped (%s)", path,
+                           line.number, exc)
+            continue
+        yield (key, record.get("status"), record.get("reward"),
+               record.get("pass_index"), record.get("group_size"))
 
-    def _result_lines(self, path: Path, lines: Iterable[JsonLine]) -> Iterator[ResultLine]:
-        """What the plan reads of each line; a line that names no episode is skipped."""
-        for line in lines:
-            record = line.value
-            try:
-                if line.error is not None:
-                    raise line.error
-                key = self._episode_key(record)
-            except (KeyError, TypeError, ValueError) as exc:
-                # A crash can cut the last line short; that episode simply runs again.
-                logger.warning("%s:%d: unreadable result line skipped (%s)", path,
-                               line.number, exc)
-                continue
-            yield (key, record.get("status"), record.get("reward"),
-                   record.get("pass_index"), record.get("group_size"))
 
-    @staticmethod
-    def _episode_key(record: Any) -> tuple[str, str, int]:
-        if not isinstance(record, dict):
-            raise TypeError("not a JSON object")
-        if all(k in record for k in ("domain", "task_id", "rollout")):
-            domain, task_id, rollout = record["domain"], record["task_id"], record["rollout"]
-        elif isinstance(record.get("episode_id"), str):
-            domain, rest = record["episode_id"].split("/", 1)
-            task_id, rollout = rest.rsplit("/", 1)
-        else:
-            raise KeyError("needs domain, task_id and rollout (or episode_id)")
-        if not isinstance(domain, str) or not isinstance(task_id, str):
-            raise TypeError("domain and task_id must be strings")
-        if isinstance(rollout, bool) or not isinstance(rollout, int | str):
-            raise TypeError(f"rollout must be an integer, got {rollout!r}")
-        rollout = int(rollout)
-        if rollout < 0:
-            raise ValueError(f"rollout must be >= 0, got {rollout}")
-        return domain, task_id, rollout
+def _episode_key(record: Any) -> tuple[str, str, int]:
+    if not isinstance(record, dict):
+        raise TypeError("not a JSON object")
+    if all(k in record for k in ("domain", "task_id", "rollout")):
+        domain, task_id, rollout = record["domain"], record["task_id"], record["rollout"]
+    elif isinstance(record.get("episode_id"), str):
+        domain, rest = record["episode_id"].split("/", 1)
+        task_id, rollout = rest.rsplit("/", 1)
+    else:
+        raise KeyError("needs domain, task_id and rollout (or episode_id)")
+    if not isinstance(domain, str) or not isinstance(task_id, str):
+        raise TypeError("domain and task_id must be strings")
+    if isinstance(rollout, bool) or not isinstance(rollout, int | str):
+        raise TypeError(f"rollout must be an integer, got {rollout!r}")
+    rollout = int(rollout)
+    if rollout < 0:
+        raise ValueError(f"rollout must be >= 0, got {rollout}")
+    return domain, task_id, rollout

@@ -128,7 +128,7 @@ class SamplingPlan:
         self._tasks: dict[tuple[str, str], _Task] = {}
         self._order: list[tuple[TaskRef, _Task]] = []  # the tasks of set_tasks, in order
         self._known = 0                                  # total_known(), kept on change
-        self._barrier = barrier
+        self.barrier = barrier  # the loader may set it after a resume read the plan
         self._barrier_since: float | None = None
         self.waiting: str | None = None  # why new groups are held (the barrier), or None
 
@@ -393,7 +393,7 @@ class SamplingPlan:
     def _may_plan(self) -> bool:
         """Ask the barrier whether new groups may start; past ``timeout_s`` they start
         anyway (logged)."""
-        reason = self._barrier() if self._barrier is not None else None
+        reason = self.barrier() if self.barrier is not None else None
         if reason is None:
             if self.waiting is not None:
                 logger.info("new groups start: %s no longer holds them", self.waiting)
