@@ -382,3 +382,23 @@ async def test_a_storage_next_to_a_trainer_stays_within_its_budget(tmp):
     assert stats["episodes_removed"] > 0 and not stats["over_budget"]
     # Without retention these episodes would hold 4x the budget.
     assert 40 * group_bytes > 4 * budget
+
+
+def test_the_viewer_and_show_result_say_the_images_were_removed_by_policy(tmp, capsys):
+    from cua_rollout.cli import show_result, view_trajectory
+
+    index, _ = run_with_groups(tmp, ["a", "b"], smooth=True)
+    claim_and_ack(index, 2)
+    sweeper(tmp, index, images="failures", reencode="webp").sweep()
+    index.close()
+    assert view_trajectory.main([str(tmp), "--out", str(tmp / "viewer")]) == 0
+    pages = {p.name: p.read_text() for p in (tmp / "viewer").rglob("*.html")}
+    text = "\n".join(pages.values())
+    assert "images removed by retention policy failures at" in text
+    assert "screenshot not found" not in text  # removed ones say why, webp ones are shown
+    assert len(list((tmp / "viewer").rglob("step_0.webp"))) == 2  # the failures' copies
+    capsys.readouterr()
+    assert show_result.main([str(tmp)]) == 0
+    out = capsys.readouterr().out
+    assert "images removed by retention policy failures at" in out
+    assert "2 episode(s) without images, 2 re-encoded (webp)" in out
