@@ -154,6 +154,9 @@ class RetentionSweeper:
             "over_budget": False, "warning": None, "last_error": None}
         self._sweep: asyncio.Future[Any] | None = None
         self._sweeping = threading.Lock()  # one sweep at a time (the loop's, a tool's)
+        # Set by a cancel of ``run``: the sweep under way stops at its next episode (a
+        # first sweep sizing a long run's backlog would otherwise hold up the storage's close).
+        self._stopping = threading.Event()
 
     # ------------------------------------------------------------- the loop
 
@@ -165,6 +168,7 @@ class RetentionSweeper:
             try:
                 await asyncio.shield(self._sweep)
             except asyncio.CancelledError:
+                self._stopping.set()
                 await asyncio.gather(self._sweep, return_exceptions=True)
                 raise
             except Exception as exc:  # a bug, not the disk: logged whole, the loop goes on
@@ -196,12 +200,12 @@ class RetentionSweeper:
         except (OSError, SQLAlchemyError) as exc:
             self.counters["sweep_errors"] += 1
             cause = getattr(exc, "orig", None) or exc  # the driver's error, not SQL's dump
-            exc = f"{type(cause).__name__}: {str(cause).strip().splitlines()[0]}"
-            self.counters["last_error"] = f"retention sweep: {exc}"
+            why = f"{type(cause).__name__}: {(str(cause).strip().splitlines() or [''])[0]}"
+            self.counters["last_error"] = f"retention sweep: {why}"
             # The cursors in memory still say what was done on disk (each moves only after
             # its episode's work); the next sweep goes on from them.
             log.error("storage: the retention sweep failed (the next one goes on from where "
-                      "it stopped): %s", exc)
+                      "it stopped): %s", why)
         return self.stats()
 
     def _load_state(self) -> None:
@@ -257,6 +261,8 @@ class RetentionSweeper:
 
     def _size_new_episodes(self) -> None:
         for offset, record in self._lines(self.state["sized_offset"]):
+            if self._stopping.is_set():
+                return
             if record.get("status") != "cancelled":
                 path = self._episode_dir(record["episode_id"])
                 if path is not None:
@@ -307,7 +313,7 @@ class RetentionSweeper:
                 return total
             return self._release_groups(index, total)
         for offset, record in self._lines(self.state["released_offset"]):
-            if not (self._eager() or self._over(total)):
+            if self._stopping.is_set() or not (self._eager() or self._over(total)):
                 break
             if record.get("status") != "cancelled":
                 freed = self._handle(record, None)
@@ -320,7 +326,7 @@ class RetentionSweeper:
 
     def _release_groups(self, index: TrainingIndex, total: int) -> int:
         run = self._run_name()
-        while self._eager() or self._over(total):
+        while (self._eager() or self._over(total)) and not self._stopping.is_set():
             groups = index.released_groups(run, _GROUPS_AT_ONCE)
             if not groups:
                 break
