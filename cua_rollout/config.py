@@ -55,6 +55,7 @@ __all__ = [
     "RagToolConfig",
     "RayConfig",
     "Removed",
+    "RetentionConfig",
     "RunConfig",
     "RunnerConfig",
     "SamplingConfig",
@@ -1033,6 +1034,46 @@ class RunnerConfig(_Section):
     """Store each step's screenshot."""
 
 
+class RetentionConfig(_Section):
+    """What a long run keeps of its screenshots (``storage.retention``; the sweeper,
+    cua_rollout/runtime/retention.py; costs in docs/results_format.md). An episode is
+    *released* once its group is acked in the trainer's index (with ``storage.index``), or
+    once its results line is written (without one); the policy then decides, per released
+    episode, whether its step images go or stay (re-encoded by ``reencode``). Never
+    before: un-acked training data is not removed. The defaults keep everything as
+    written, and no sweeper runs."""
+
+    images: Literal["keep", "after_ack", "failures", "successes", "sample"] = "keep"
+    """Whose images stay once released. ``keep``: all; ``after_ack``: none (removed once
+    its group's ack is in; needs ``storage.index``); ``failures``: only episodes whose status
+    is not ``success`` (failure, max_steps, timeout, infra_error); ``successes``: only
+    ``success`` ones;
+    ``sample``: a ``sample_fraction`` of episodes, chosen by a hash of the episode id (the
+    same episodes on every sweep and every rerun)."""
+    sample_fraction: Annotated[float, Field(ge=0.0, le=1.0)] = 0.1
+    """With ``images: sample``: the share of episodes whose images stay."""
+    reencode: Literal["none", "png_max", "webp"] = "none"
+    """Released images that stay: ``none`` as written; ``png_max``: PNG re-compressed at
+    zlib level 9 with ``optimize`` (lossless: the same pixels, the same file names);
+    ``webp``: lossy WebP at ``webp_quality``, ``step_<n>.webp`` in place of
+    ``step_<n>.png`` (the episode's marker maps the names)."""
+    webp_quality: Annotated[int, Field(ge=1, le=100)] = 80
+    """WebP quality with ``reencode: webp``."""
+    max_gb: PositiveFloat | None = None
+    """Budget of the run directory in GB (1e9 bytes). Null: released images the policy lets
+    go are removed at the next sweep. Set: they are kept while the run directory fits and
+    removed oldest released first when it does not; a run directory over budget with
+    nothing removable is a warning (log and storage stats), never a deletion of un-acked
+    data."""
+    sweep_interval_s: PositiveFloat = 60.0
+    """Time between two sweeps (each handles only what is new since the last one)."""
+
+    @property
+    def active(self) -> bool:
+        """Whether a sweeper has anything to do."""
+        return self.images != "keep" or self.reencode != "none" or self.max_gb is not None
+
+
 class StorageConfig(_Section):
     """Asynchronous writes of trajectories and results."""
 
@@ -1061,6 +1102,15 @@ class StorageConfig(_Section):
     the driver's node (no shared filesystem needed; one process carries every step's bytes).
     ``auto``: ``runner`` for each runner process that finds the run directory (a probe file
     the storage writes at start), ``storage`` for the others."""
+    retention: RetentionConfig = RetentionConfig()
+    """What a long run keeps of its screenshots, within a disk budget (defaults: all)."""
+
+    @model_validator(mode="after")
+    def _retention_needs_an_index(self) -> StorageConfig:
+        if self.retention.images == "after_ack" and not self.index:
+            raise ValueError("storage.retention.images: after_ack needs storage.index: true "
+                             "(acks are read from the trainer's index)")
+        return self
 
     @model_validator(mode="after")
     def _no_password_in_url(self) -> StorageConfig:

@@ -9,7 +9,12 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
+from pathlib import Path
+from typing import Any
 
+from cua_rollout.core.files import read_json
+from cua_rollout.core.layout import RETENTION_STATE_FILE
 from cua_rollout.results import (
     add_json_flag,
     add_version_filters,
@@ -22,7 +27,7 @@ from cua_rollout.results import (
     summarize,
 )
 
-__all__ = ["main"]
+__all__ = ["main", "retention_notes"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -67,7 +72,34 @@ def main(argv: list[str] | None = None) -> int:
             print_pass_table(summary)
         if not (args.by_version or args.by_pass):
             print_table(summary)
+    for note in retention_notes(run.path):
+        print(note, file=sys.stderr if args.json else sys.stdout)
     return 0
+
+
+def retention_notes(run_dir: Path) -> list[str]:
+    """What ``storage.retention`` did to the run's images and whether it is over its budget
+    (from the sweeper's state file: no walk of the episodes)."""
+    state: Any = read_json(Path(run_dir) / RETENTION_STATE_FILE)
+    if not isinstance(state, dict):
+        return []
+    totals = state.get("totals") or {}
+    notes = []
+    if totals.get("last_at"):
+        when = time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(float(totals["last_at"])))
+        counts = []
+        if totals.get("episodes_removed"):
+            counts.append(f"{totals['episodes_removed']} episode(s) without images")
+        if totals.get("episodes_reencoded"):
+            counts.append(f"{totals['episodes_reencoded']} re-encoded "
+                          f"({totals.get('reencode')})")
+        what = (f"images removed by retention policy {totals.get('policy')}"
+                if totals.get("episodes_removed") else "images re-encoded by retention")
+        notes.append(f"{what} at {when} (latest): {', '.join(counts)}; "
+                     f"{int(totals.get('bytes_freed') or 0) / 1e6:.1f} MB freed")
+    if state.get("warning"):
+        notes.append(f"warning: {state['warning']}")
+    return notes
 
 
 if __name__ == "__main__":

@@ -18,11 +18,13 @@ import os
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote
 
 from cua_rollout.core.layout import MESSAGES_FILE, TASK_CONFIG_FILE, screenshot_name
+from cua_rollout.core.retention import read_marker
 from cua_rollout.results import (
     Episode,
     Problem,
@@ -312,6 +314,16 @@ def _figure(
     actions: list[Any], uid: str,
 ) -> str:  # fmt: skip
     src = episode.dir / name if (episode.dir is not None and name) else None
+    if src is not None and name and not src.is_file():
+        # storage.retention may have removed it, or re-encoded it under another name.
+        marker = read_marker(src.parent)
+        replaced = marker.replacement(name) if marker is not None else name
+        if marker is not None and replaced is None:
+            gone = (f"{name}: images removed by retention policy {marker.policy} at "
+                    f"{_when(marker.at)}")
+            return f'<figure class="shot"><div class="missing">{_e(gone)}</div></figure>'
+        if replaced is not None and replaced != name:
+            name, src = replaced, src.parent / replaced
     if src is None or not src.is_file():
         missing = f'<div class="missing">screenshot not found: {_e(name)}</div>'
         return f'<figure class="shot">{missing}</figure>'
@@ -325,6 +337,10 @@ def _figure(
         f'<figure class="shot"><div class="frame"><img src="{_e(url)}" loading="lazy" '
         f'alt="{_e(name)}"{dims}>{overlay}</div><figcaption>{_e(caption)}</figcaption></figure>'
     )
+
+
+def _when(at: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime(at))
 
 
 def _tree_section(episode: Episode, line: dict[str, Any]) -> str:
@@ -379,6 +395,9 @@ def episode_page(
     timing = episode.record.get("timing")
     if isinstance(timing, dict):
         facts.append(("timing s", ", ".join(f"{k} {v}" for k, v in timing.items())))
+    marker = read_marker(episode.dir) if episode.dir is not None else None
+    if marker is not None:
+        facts.append(("retention", marker.describe()))
     parts = _page_top(episode, f'<p class="instruction">{_e(episode.instruction)}</p>',
                       facts, problems)
     if not lines:

@@ -3,7 +3,9 @@
 
     <run>/run.json, results.jsonl, metrics.jsonl, index.db, .lock
     <run>/<domain>/<task_id>/<rollout>/task_config.json, traj.jsonl, step_<n>.png,
-                                       episode.json, result.txt, messages.json
+                                       episode.json, result.txt, messages.json,
+                                       retention.json (images removed or re-encoded)
+    <run>/retention.state.json         the retention sweeper's cursors and totals
     <run>/.attempts/<staging name>/    the same files of an attempt still running
 """
 
@@ -21,6 +23,8 @@ __all__ = [
     "METRICS_FILE",
     "OSWORLD_RESULT_FILE",
     "RESULTS_FILE",
+    "RETENTION_MARKER_FILE",
+    "RETENTION_STATE_FILE",
     "RUN_FILE",
     "RUN_LOCK_FILE",
     "STATUS_URL_FILE",
@@ -45,6 +49,8 @@ TRAJ_FILE = "traj.jsonl"               # one line per step, OSWorld's fields + o
 EPISODE_FILE = "episode.json"          # the episode's result record
 OSWORLD_RESULT_FILE = "result.txt"     # the reward, as OSWorld writes it (scored episodes)
 MESSAGES_FILE = "messages.json"        # the last model request, images as file names
+RETENTION_MARKER_FILE = "retention.json"  # an episode's images removed/re-encoded by policy
+RETENTION_STATE_FILE = "retention.state.json"  # the sweeper's cursors and totals
 ATTEMPTS_DIR = ".attempts"             # running attempts' files, moved into place when they end
 
 # A flattened episode id longer than this is replaced by its digest in a staging name (a

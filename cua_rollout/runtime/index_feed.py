@@ -84,6 +84,11 @@ class IndexFeed:
         self.pending += 1
         self._queue.put_nowait((record, mark))
 
+    @property
+    def run_name(self) -> str:
+        """The run's name in the index."""
+        return self._run_name
+
     async def drain(self, timeout_s: float) -> bool:
         """Wait until every queued result is in the index; False after ``timeout_s``."""
         deadline = time.monotonic() + timeout_s

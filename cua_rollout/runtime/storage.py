@@ -80,6 +80,7 @@ from cua_rollout.core.layout import (
 )
 from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.index_feed import IndexFeed
+from cua_rollout.runtime.retention import RetentionSweeper
 
 __all__ = ["PART_BYTES", "EpisodeWriter", "StepFiles", "StorageActor", "compact_results",
            "png_parts"]
@@ -147,6 +148,8 @@ class StorageActor:
         # into the write: a subscriber's failure is logged).
         self.subscribers: list[Callable[[dict[str, Any], LineMark | None], None]] = []
         self.index_feed = IndexFeed(self.run_dir, self.cfg, on_error=self._index_error)
+        self.retention: RetentionSweeper | None = None  # storage.retention, when active
+        self._retention_task: asyncio.Task[None] | None = None
 
     # ----------------------------------------------------------------- run
 
@@ -187,6 +190,7 @@ class StorageActor:
         await self._open_attempts(sweep=True)
         if self.cfg.index:
             self.subscribers.append(self.index_feed.recorded)
+        self._start_retention()
         return {"results_tail_cut_bytes": cut, "results_compacted": compacted,
                 "index": synced}
 
@@ -331,9 +335,25 @@ class StorageActor:
     def stats(self) -> dict[str, Any]:
         return {**self.counters, **self.index_feed.counters,
                 "queued": sum(q.qsize() for q in self._queues),
-                "index_pending": self.index_feed.pending, "last_error": self.last_error}
+                "index_pending": self.index_feed.pending, "last_error": self.last_error,
+                "retention": self.retention.stats() if self.retention is not None else None}
+
+    def _start_retention(self) -> None:
+        """The retention sweeper (cua_rollout/runtime/retention.py), on this actor's loop,
+        its sweeps in a thread: only when ``storage.retention`` asks for anything."""
+        if not self.cfg.retention.active or self._retention_task is not None:
+            return
+        feed = self.index_feed
+        self.retention = RetentionSweeper(self.run_dir, self.cfg.retention, fsync=self.cfg.fsync,
+                                          index=lambda: feed.index,
+                                          run_name=lambda: feed.run_name)
+        self._retention_task = asyncio.create_task(self.retention.run())
 
     async def close(self) -> None:
+        if self._retention_task is not None:
+            self._retention_task.cancel()
+            await asyncio.gather(self._retention_task, return_exceptions=True)
+            self._retention_task = None
         await self.flush()
         for task in self._writers:
             task.cancel()

@@ -75,6 +75,7 @@ from cua_rollout.core.files import (
 )
 from cua_rollout.core.http import redact_url
 from cua_rollout.core.layout import INDEX_FILE, RESULTS_FILE, RUN_FILE, TRAJ_FILE
+from cua_rollout.core.retention import RetentionMarker, read_marker
 from cua_rollout.training.groups import fill_defaults, group_record, is_scored
 
 __all__ = [
@@ -93,7 +94,7 @@ __all__ = [
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 # failed_infra: an episode of the group ended infra_error (its retries used up): the group is
 # never handed out (a smaller group would skew its advantages); a later line of that episode
 # (a rerun on resume) that is scored makes it ready.
@@ -176,8 +177,21 @@ _groups = Table(
     Column("lease_expires", Double),
     Column("claims", Integer, nullable=False, default=0),
     Column("acked_at", Double),
+    # Retention (storage.retention, runtime/retention.py): when the group's images were
+    # removed (or lossily re-encoded) and by which policy; a group with images_removed_at is
+    # never claimed. retention_swept_at: the sweeper has handled the acked group.
+    Column("images_removed_at", Double),
+    Column("images_removed_by", String(32)),
+    Column("retention_swept_at", Double),
     Index("ix_groups_state_created", "state", "created_at"),
+    Index("ix_groups_retention", "run", "state", "retention_swept_at", "acked_at"),
 )
+# Schema upgrades in place: version -> (columns of ``groups`` added, indexes created) that
+# bring a database of that version to the next one.
+_MIGRATIONS: dict[int, tuple[tuple[str, ...], tuple[str, ...]]] = {
+    1: (("images_removed_at", "images_removed_by", "retention_swept_at"),
+        ("ix_groups_retention",)),
+}
 
 
 # ----------------------------------------------------------------- values handed out
@@ -424,13 +438,36 @@ class TrainingIndex:
                 found = conn.execute(
                     select(_meta.c.value).where(_meta.c.key == "schema_version")).scalar()
             if found is not None and found != str(SCHEMA_VERSION):
-                raise TrainingIndexError(
-                    f"{self}: index schema version {found}, this code reads version "
-                    f"{SCHEMA_VERSION}; reindex the runs into a new database")
+                self._migrate(conn, found)
             _metadata.create_all(conn)
             if found is None:
                 conn.execute(insert(_meta).values(key="schema_version",
                                                   value=str(SCHEMA_VERSION)))
+
+    def _migrate(self, conn: Connection, found: str) -> None:
+        """Bring a database of an older schema version to ``SCHEMA_VERSION`` (in the open's
+        transaction: all or nothing); a version with no way up is an error."""
+        version = int(found) if found.isdigit() else None
+        if version is None or version > SCHEMA_VERSION or any(
+                v not in _MIGRATIONS for v in range(version, SCHEMA_VERSION)):
+            raise TrainingIndexError(
+                f"{self}: index schema version {found}, this code reads version "
+                f"{SCHEMA_VERSION}; reindex the runs into a new database")
+        table = conn.dialect.identifier_preparer.format_table(_groups)
+        indexes = {i.name: i for i in _groups.indexes}
+        for step in range(version, SCHEMA_VERSION):
+            columns, new_indexes = _MIGRATIONS[step]
+            for name in columns:
+                column = _groups.c[name]
+                kind = column.type.compile(dialect=conn.dialect)
+                quoted = conn.dialect.identifier_preparer.quote(name)
+                conn.execute(text(f"ALTER TABLE {table} ADD COLUMN {quoted} {kind}"))
+            for name in new_indexes:
+                indexes[name].create(conn, checkfirst=True)
+        conn.execute(update(_meta).where(_meta.c.key == "schema_version")
+                     .values(value=str(SCHEMA_VERSION)))
+        log.warning("%s: index schema upgraded from version %s to %d", self, found,
+                    SCHEMA_VERSION)
 
     # ------------------------------------------------------------- transactions
 
@@ -653,6 +690,9 @@ class TrainingIndex:
         }
         settled = "failed_infra" if group["infra_failures"] else "ready"
         if state is None:
+            removed = _markers_of(run_dir, records)
+            if removed is not None:  # a reindex of a run whose retention already acted
+                values.update(images_removed_at=removed.at, images_removed_by=removed.policy)
             conn.execute(insert(_groups).values(
                 run=run, group_id=group_id, created_at=self._clock(), state=settled,
                 claims=0, **values))
@@ -845,6 +885,8 @@ class TrainingIndex:
                 conditions.append(_groups.c.run == run)
             if not include_no_signal:
                 conditions.append(_groups.c.no_signal.is_(False))
+            # A group whose images retention removed is never handed out (storage.retention).
+            conditions.append(_groups.c.images_removed_at.is_(None))
             # Two indexed queries (state, created_at), not one with an OR: each reads n rows
             # at most; the oldest n of both are taken (PostgreSQL: the others are locked only
             # until this transaction ends, other consumers skip them meanwhile).
@@ -974,6 +1016,57 @@ class TrainingIndex:
                     lost.append((run, group_id))
         return lost
 
+    # ------------------------------------------------------------- retention
+
+    def released_groups(self, run: str, limit: int) -> list[IndexedGroup]:
+        """Up to ``limit`` acked groups of ``run`` that retention has not handled yet
+        (``mark_swept``), oldest ack first, then ``failed_infra`` ones (never trained, so
+        never acked: released as they are made): indexed queries that read those rows only."""
+        rows: list[Any] = []
+        with self._reading() as conn:
+            for state, first in (("acked", _groups.c.acked_at),
+                                 ("failed_infra", _groups.c.created_at)):
+                if len(rows) >= limit:
+                    break
+                rows += conn.execute(
+                    select(_groups.c.run, _groups.c.group_id, _groups.c.state,
+                           _groups.c.record)
+                    .where(_groups.c.run == run, _groups.c.state == state,
+                           _groups.c.retention_swept_at.is_(None))
+                    .order_by(first, _groups.c.group_id).limit(limit - len(rows))).all()
+            records = {(r.run, r.group_id): json.loads(r.record) for r in rows}
+            episodes = self._episodes_of(conn, records)
+        return [IndexedGroup(r.run, r.group_id, r.state, records[r.run, r.group_id],
+                             episodes[r.run, r.group_id]) for r in rows]
+
+    def mark_images_removed(self, run: str, group_ids: Iterable[str], policy: str,
+                            at: float | None = None) -> int:
+        """Record that these groups' images are (about to be) removed by ``policy``: no
+        claim hands them out from now on. Call it BEFORE removing a group's files (a claim
+        in between would hand out missing images); a manual cleanup calls it too. Returns
+        how many groups were marked (one already marked keeps its first mark)."""
+        ids = list(dict.fromkeys(group_ids))
+        at = self._clock() if at is None else at
+        marked = 0
+        with self._writing() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                marked += conn.execute(
+                    update(_groups).where(_groups.c.run == run,
+                                          _groups.c.group_id.in_(ids[i:i + _CHUNK]),
+                                          _groups.c.images_removed_at.is_(None))
+                    .values(images_removed_at=at, images_removed_by=policy)).rowcount
+        return marked
+
+    def mark_swept(self, run: str, group_ids: Iterable[str], at: float | None = None) -> None:
+        """Retention has handled these acked groups (``released_groups`` skips them)."""
+        ids = list(dict.fromkeys(group_ids))
+        at = self._clock() if at is None else at
+        with self._writing() as conn:
+            for i in range(0, len(ids), _CHUNK):
+                conn.execute(update(_groups).where(_groups.c.run == run,
+                                                   _groups.c.group_id.in_(ids[i:i + _CHUNK]))
+                             .values(retention_swept_at=at))
+
     # ------------------------------------------------------------- reading
 
     def status(self, run: str | None = None) -> dict[str, Any]:
@@ -996,6 +1089,8 @@ class TrainingIndex:
                 .group_by(_groups.c.consumer)).all())
             no_signal = conn.execute(select(func.count()).select_from(_groups).where(
                 *g_where, _groups.c.no_signal.is_(True))).scalar_one()
+            images_removed = conn.execute(select(func.count()).select_from(_groups).where(
+                *g_where, _groups.c.images_removed_at.is_not(None))).scalar_one()
             episodes = conn.execute(select(func.count()).select_from(_episodes)
                                     .where(*e_where)).scalar_one()
             runs = conn.execute(select(func.count(func.distinct(_episodes.c.run)))
@@ -1008,6 +1103,7 @@ class TrainingIndex:
             "groups": {**{s: int(states.get(s, 0)) for s in STATES},
                        "total": sum(states.values())},
             "expired_leases": expired, "no_signal": no_signal,
+            "images_removed": images_removed,
             "consumers": {str(c): n for c, n in consumers.items()},
             "versions": n_versions, "newest_version": newest.version if newest else None,
             "newest_version_seq": newest.seq if newest else None,
@@ -1042,6 +1138,16 @@ class TrainingIndex:
                 return
             last = rows[-1]
             after = (last.created_at, last.run, last.group_id)
+
+
+def _markers_of(run_dir: str, records: list[dict[str, Any]]) -> RetentionMarker | None:
+    """The first retention marker among a group's episodes that changed their images (a
+    stat per episode, at the group's creation only)."""
+    for record in records:
+        marker = read_marker(Path(run_dir) / str(record.get("episode_id")))
+        if marker is not None and marker.images_gone:
+            return marker
+    return None
 
 
 def _load_steps(episodes: list[dict[str, Any]]) -> None:

@@ -127,7 +127,7 @@ def test_the_database_is_sqlite_in_wal_mode(index, tmp_path):
     assert (tmp_path / "index.db").is_file()
     with sqlite3.connect(tmp_path / "index.db") as db:
         assert db.execute("PRAGMA journal_mode").fetchone()[0] == "wal"
-        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("1",)
+        assert db.execute("SELECT value FROM meta WHERE key='schema_version'").fetchone() == ("2",)
 
 
 def test_a_group_is_made_when_its_last_episode_arrives(index, tmp_path):

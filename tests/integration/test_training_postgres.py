@@ -301,3 +301,31 @@ def test_schema_opened_by_many_processes_at_once(db_url):
 def _open_only(url: str) -> None:
     with contextlib.closing(TrainingIndex(url)):
         pass
+
+
+def test_a_schema_1_database_is_upgraded_and_removed_groups_are_not_claimed(db_url, tmp_path):
+    """storage.retention's columns added in place to a version-1 database on PostgreSQL; a
+    group marked images-removed is never claimed; acked groups come out for the sweeper
+    oldest ack first, until swept."""
+    from sqlalchemy import create_engine, text
+
+    with TrainingIndex(db_url) as index:
+        index.record_episodes("r", tmp_path, [record("r", g, k) for g in range(3)
+                                              for k in range(GROUP_SIZE)])
+    engine = create_engine(db_url)
+    with engine.begin() as conn:
+        conn.execute(text("DROP INDEX ix_groups_retention"))
+        for column in ("images_removed_at", "images_removed_by", "retention_swept_at"):
+            conn.execute(text(f"ALTER TABLE groups DROP COLUMN {column}"))
+        conn.execute(text("UPDATE meta SET value = '1' WHERE key = 'schema_version'"))
+    engine.dispose()
+    with TrainingIndex(db_url) as index:
+        assert index.status("r")["groups"]["ready"] == 3
+        assert index.mark_images_removed("r", ["os/task000/pass-0"], "manual") == 1
+        claims = index.claim_groups(5, "t", lease_s=60)
+        assert sorted(c.group_id for c in claims) == ["os/task001/pass-0", "os/task002/pass-0"]
+        assert index.ack(claims) == []
+        released = index.released_groups("r", 10)
+        assert {g.group_id for g in released} == {"os/task001/pass-0", "os/task002/pass-0"}
+        index.mark_swept("r", [released[0].group_id])
+        assert [g.group_id for g in index.released_groups("r", 10)] == [released[1].group_id]

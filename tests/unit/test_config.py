@@ -153,7 +153,9 @@ evaluation: {engine: osworld, osworld_python: /opt/osw/bin/python, osworld_path:
              worker_start_timeout_s: 30}
 storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
           database_url: "postgresql+psycopg://rollout@db:5432/rollout",
-          database_password_env: DB_PASSWORD, step_files: storage}
+          database_password_env: DB_PASSWORD, step_files: storage,
+          retention: {images: sample, sample_fraction: 0.2, reencode: webp, webp_quality: 70,
+                      max_gb: 500, sweep_interval_s: 30}}
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
              tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp,
              status_address: "127.0.0.1:8270", status_token_env: STATUS_TOKEN, stall_s: 600}
@@ -216,6 +218,9 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.evaluation.engine == "osworld" and cfg.evaluation.worker_start_timeout_s == 30
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
     assert cfg.storage.step_files == "storage"
+    assert cfg.storage.retention.model_dump() == {
+        "images": "sample", "sample_fraction": 0.2, "reencode": "webp", "webp_quality": 70,
+        "max_gb": 500, "sweep_interval_s": 30}
     assert cfg.tasks.rerun_infra_errors is False and cfg.model.outage_wait_s == 120
     assert cfg.tasks.failed_group_reruns == 1
     assert cfg.coordinator.outage_give_up_s == 600
