@@ -50,7 +50,8 @@ from cua_rollout.core.layout import (
 from cua_rollout.core.retention import RetentionMarker, read_marker, write_marker
 from cua_rollout.training import TrainingIndex
 
-__all__ = ["GB", "RetentionSweeper", "keeps_images", "reencode_image", "sampled"]
+__all__ = ["GB", "RetentionSweeper", "carry_cursors", "keeps_images", "reencode_image",
+           "sampled", "saved_cursors"]
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +126,38 @@ def _dir_bytes(path: Path) -> int:
     except OSError:
         return 0
     return total
+
+
+def _results_identity(run_dir: Path) -> list[int] | None:
+    try:
+        st = (run_dir / RESULTS_FILE).stat()
+    except FileNotFoundError:
+        return None
+    return [st.st_dev, st.st_ino]
+
+
+def saved_cursors(run_dir: Path) -> list[int] | None:
+    """The sweeper's two cursors in results.jsonl as its state file saved them, when they
+    are of the file there now (the storage carries them over a compaction's rewrite)."""
+    saved = read_json(run_dir / RETENTION_STATE_FILE)
+    if (not isinstance(saved, dict) or saved.get("format") != _STATE_FORMAT
+            or saved.get("results") != _results_identity(run_dir)):
+        return None
+    offsets = [saved.get("sized_offset"), saved.get("released_offset")]
+    return offsets if all(isinstance(o, int) and o >= 0 for o in offsets) else None
+
+
+def carry_cursors(run_dir: Path, offsets: list[int], *, fsync: bool = False) -> None:
+    """results.jsonl was rewritten by a compaction: the cursors, moved to the same lines
+    of the new file (``offsets``), are saved as of it, so the next sweep goes on where it
+    was instead of sizing every episode again."""
+    path = run_dir / RETENTION_STATE_FILE
+    saved = read_json(path)
+    if not isinstance(saved, dict):
+        return
+    saved["results"] = _results_identity(run_dir)
+    saved["sized_offset"], saved["released_offset"] = offsets
+    write_atomic(path, json.dumps(saved).encode(), fsync=fsync)
 
 
 class RetentionSweeper:
@@ -209,13 +242,11 @@ class RetentionSweeper:
         return self.stats()
 
     def _load_state(self) -> None:
-        results = self.run_dir / RESULTS_FILE
+        identity = _results_identity(self.run_dir)
         try:
-            st = results.stat()
-            identity = [st.st_dev, st.st_ino]
-            size = st.st_size
+            size = (self.run_dir / RESULTS_FILE).stat().st_size
         except FileNotFoundError:
-            identity, size = None, 0
+            size = 0
         if not self.state:
             saved = read_json(self._state_path)
             self.state = saved if (isinstance(saved, dict)

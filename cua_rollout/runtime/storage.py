@@ -80,7 +80,7 @@ from cua_rollout.core.layout import (
 )
 from cua_rollout.runtime.actors import StorageClient
 from cua_rollout.runtime.index_feed import IndexFeed
-from cua_rollout.runtime.retention import RetentionSweeper
+from cua_rollout.runtime.retention import RetentionSweeper, carry_cursors, saved_cursors
 
 __all__ = ["PART_BYTES", "EpisodeWriter", "StepFiles", "StorageActor", "compact_results",
            "png_parts"]
@@ -168,12 +168,19 @@ class StorageActor:
             # start left it, so only the lines since then are read.
             run_name = str(info.get("run") or self.run_dir.name)
             synced = await self.index_feed.open(run_name)
+        # The retention sweeper's cursors, when of this file, are carried over a rewrite.
+        carry = await asyncio.to_thread(saved_cursors, self.run_dir)
         compacted = await asyncio.to_thread(
             compact_results, self.run_dir / RESULTS_FILE,
             self.run_dir / SUPERSEDED_RESULTS_FILE,
-            ("infra_error",) if rerun_infra_errors else (), fsync=self.cfg.fsync)
-        if self.cfg.index and compacted["rewritten"]:
-            await self.index_feed.rewritten()
+            ("infra_error",) if rerun_infra_errors else (), fsync=self.cfg.fsync,
+            carry=carry)
+        if compacted["rewritten"]:
+            if self.cfg.index:
+                await self.index_feed.rewritten()
+            if carry is not None:
+                await asyncio.to_thread(carry_cursors, self.run_dir, carry,
+                                        fsync=self.cfg.fsync)
         self._run_info = {
             **info,
             "run_dir": str(self.run_dir),
@@ -791,7 +798,7 @@ def _rewrite_for(directory: Path, record: dict[str, Any], fsync: bool) -> None:
 
 
 def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = (), *,
-                    fsync: bool = False) -> dict[str, int]:
+                    fsync: bool = False, carry: list[int] | None = None) -> dict[str, int]:
     """Keep one line per episode in results.jsonl: the last one, unless its status is in
     ``drop_statuses`` (those episodes run again). Every line taken out (an earlier line of an
     episode, a dropped one, a broken one) is appended to ``archive`` first, so nothing is
@@ -802,7 +809,10 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
     line only after a line that is not final (``cancelled``, or a status dropped here: it
     runs again), since a final one never runs again. So the first read remembers only the
     episodes with such a line, with the number of their last line; the second one copies.
-    Two final lines of one episode, which no run writes, are both kept."""
+    Two final lines of one episode, which no run writes, are both kept.
+
+    ``carry``: places in the file (line ends: a reader's cursors) replaced, when the file is
+    rewritten, by the same places in the new one (after the last line kept before each)."""
     counts = {"kept": 0, "superseded": 0, "dropped": 0, "broken": 0, "rewritten": 0}
     moving = False
     records = 0
@@ -827,8 +837,15 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
         return counts
     archive_size = archive.stat().st_size if archive.exists() else None
     try:
+        marks = sorted(set(carry or ()))
+        carried: dict[int, int] = {}
+        old_pos = new_pos = 0
+        where = [0]
         with replace_atomic(path, fsync=fsync) as out, open(archive, "ab") as moved:
-            for number, raw, episode, status in _result_lines(path):
+            for number, raw, episode, status in _result_lines(path, where):
+                while marks and marks[0] <= where[0]:  # a cursor before this line
+                    carried[marks.pop(0)] = new_pos
+                old_pos = where[0] + len(raw)
                 line = raw if raw.endswith(b"\n") else raw + b"\n"
                 last = watched.get(episode) if episode is not None else None
                 if episode is None:
@@ -840,6 +857,7 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
                 else:
                     counts["kept"] += 1
                     out.write(line)
+                    new_pos += len(line)
                     continue
                 moved.write(line)
             moved.flush()
@@ -853,6 +871,10 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
             else:
                 os.truncate(archive, archive_size)
         raise
+    for mark in marks:  # after the last line's start: its end, or past it
+        carried[mark] = new_pos
+    if carry:
+        carry[:] = [carried[mark] for mark in carry]
     counts["rewritten"] = 1
     log.warning("%s: %s", path, ", ".join(f"{k} {v}" for k, v in counts.items()))
     return counts
@@ -881,14 +903,20 @@ def _own_line(raw: bytes) -> tuple[str, str] | None:
     return json.loads(own[1]), status.decode()
 
 
-def _result_lines(path: Path) -> Iterator[tuple[int, bytes, str | None, str | None]]:
+def _result_lines(path: Path, where: list[int] | None = None
+                  ) -> Iterator[tuple[int, bytes, str | None, str | None]]:
     """The non-blank lines of a results.jsonl file, read one at a time: ``(number, the
     line as written, its episode_id, its status)``, the id None when the line is not a
-    record (cut short, not JSON, no ``episode_id``)."""
+    record (cut short, not JSON, no ``episode_id``). ``where[0]`` is set to each yielded
+    line's offset."""
+    at = 0
     with open(path, "rb") as f:
         for number, raw in enumerate(f, start=1):
+            start, at = at, at + len(raw)
             if not raw.strip():
                 continue
+            if where is not None:
+                where[0] = start
             own = _own_line(raw)
             if own is not None:
                 yield number, raw, own[0], own[1]

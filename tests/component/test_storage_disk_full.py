@@ -99,10 +99,15 @@ def test_results_keep_one_line_per_episode_and_archive_the_rest(tmp_path: Path):
             record("d/c/0", 2, "infra_error")]
     index.write_text("".join(json.dumps(r) + "\n" for r in rows[:2]) + '{"glued": 1}{"x"\n'
                      + "".join(json.dumps(r) + "\n" for r in rows[2:]))
-    counts = compact_results(index, archive, ("infra_error",))
+    ends = [i + 1 for i, byte in enumerate(index.read_bytes()) if byte == ord("\n")]
+    carry = [0, *ends]  # a reader's cursors: the start and each line's end
+    counts = compact_results(index, archive, ("infra_error",), carry=carry)
     assert counts == {"kept": 2, "superseded": 1, "dropped": 1, "broken": 1, "rewritten": 1}
     assert [(r["episode_id"], r["status"]) for r in lines(index)] == [
         ("d/b/0", "success"), ("d/a/0", "success")]
+    # Each cursor is now after the same kept lines in the new file.
+    b_end = len(json.dumps(rows[1])) + 1
+    assert carry == [0, 0, b_end, b_end, index.stat().st_size, index.stat().st_size]
     assert len(archive.read_text().splitlines()) == 3  # nothing is lost
     assert compact_results(index, archive, ("infra_error",))["kept"] == 2
     assert len(archive.read_text().splitlines()) == 3  # nothing changed: not rewritten
@@ -129,3 +134,27 @@ def test_a_cut_line_is_found_from_the_end_of_a_large_file(tmp_path: Path):
         f.write(b'{"episode_id": "d/cut' + b"x" * 100_000)  # longer than a read chunk
     assert repair_jsonl_tail(index) == len(b"{\"episode_id\": \"d/cut") + 100_000
     assert len(lines(index)) == 3000
+
+
+async def test_a_compaction_carries_the_retention_sweepers_cursors_over(tmp: Path):
+    """A start whose compaction rewrites results.jsonl (a new file) moves the retention
+    sweeper's cursors to the same lines of the new file: no sizing every episode again."""
+    from cua_rollout.core.layout import RETENTION_STATE_FILE
+    from cua_rollout.runtime.retention import saved_cursors
+
+    run = tmp / "run"
+    run.mkdir()
+    results = run / "results.jsonl"
+    results.write_text(json.dumps(record("d/a/0", 2, "infra_error")) + "\n"
+                       + json.dumps(record("d/b/0")) + "\n")
+    st = results.stat()
+    (run / RETENTION_STATE_FILE).write_text(json.dumps({
+        "format": 1, "results": [st.st_dev, st.st_ino], "sized_offset": st.st_size,
+        "released_offset": st.st_size, "episode_bytes": 5, "totals": {}}))
+    assert saved_cursors(run) == [st.st_size, st.st_size]
+    storage = StorageActor(run, StorageConfig())
+    out = await storage.start_run({"run": "x"})
+    await storage.close()
+    assert out["results_compacted"]["rewritten"] == 1
+    assert saved_cursors(run) == [results.stat().st_size] * 2  # of the new file
+    assert json.loads((run / RETENTION_STATE_FILE).read_text())["episode_bytes"] == 5
