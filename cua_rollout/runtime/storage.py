@@ -839,13 +839,12 @@ def compact_results(path: Path, archive: Path, drop_statuses: tuple[str, ...] = 
     try:
         marks = sorted(set(carry or ()))
         carried: dict[int, int] = {}
-        old_pos = new_pos = 0
+        new_pos = 0
         where = [0]
         with replace_atomic(path, fsync=fsync) as out, open(archive, "ab") as moved:
             for number, raw, episode, status in _result_lines(path, where):
                 while marks and marks[0] <= where[0]:  # a cursor before this line
                     carried[marks.pop(0)] = new_pos
-                old_pos = where[0] + len(raw)
                 line = raw if raw.endswith(b"\n") else raw + b"\n"
                 last = watched.get(episode) if episode is not None else None
                 if episode is None:
