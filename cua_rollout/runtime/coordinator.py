@@ -170,7 +170,7 @@ class AgentCoordinator:
         return self.run_stats.counters
 
     def stats(self) -> dict[str, Any]:
-        return self.run_stats.snapshot(
+        return {**self.run_stats.snapshot(
             queued=len(self._queue),
             in_flight=len(self._in_flight),
             runners=sum(r.alive for r in self._runners),
@@ -178,7 +178,7 @@ class AgentCoordinator:
             waiting=self._breakers.waiting(time.time()),
             outages=self._breakers.outages(),
             fatal=self._fatal,
-        )
+        ), "storage_lag": self._recorder.lag()}
 
     async def drain(self, cancel: bool = False, timeout_s: float | None = None) -> dict[str, Any]:
         """Start nothing new; with ``cancel`` cancel what runs. Returns when no episode is in

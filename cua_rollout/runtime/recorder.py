@@ -11,6 +11,7 @@ in results.jsonl and a rerun runs it again).
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from cua_rollout.core.errors import StorageError
@@ -34,12 +35,15 @@ class ResultRecorder:
         self._waiting: list[tuple[tuple[dict[str, Any], str | None, list[str]],
                                   asyncio.Future[None]]] = []
         self._sender: asyncio.Task[None] | None = None
+        self._since: list[float] = []  # when each record not yet answered came, in order
+        self._sending = 0              # records of the call under way
 
     async def record(self, record: dict[str, Any], staging: str | None = None,
                      discard: list[str] | None = None) -> None:
         """Append ``record``'s line (``staging``, ``discard``: ``record_results``)."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._waiting.append(((record, staging, list(discard or ())), done))
+        self._since.append(time.monotonic())
         if self._sender is None or self._sender.done():
             self._sender = asyncio.create_task(self._send())
         await asyncio.shield(done)  # a caller's cancel never tears a batch apart
@@ -49,6 +53,7 @@ class ResultRecorder:
             batch, self._waiting = self._waiting[:BATCH_MAX], self._waiting[BATCH_MAX:]
             self.calls += 1
             self.records += len(batch)
+            self._sending = len(batch)
             try:
                 errors = await asyncio.wait_for(
                     self.storage.record_results([item for item, _ in batch]), self.timeout_s)
@@ -57,6 +62,9 @@ class ResultRecorder:
                     if not done.done():
                         done.set_exception(exc)
                 continue
+            finally:
+                del self._since[:len(batch)]
+                self._sending = 0
             for (_, done), error in zip(batch, errors, strict=True):
                 if done.done():
                     continue
@@ -64,3 +72,9 @@ class ResultRecorder:
                     done.set_result(None)
                 else:
                     done.set_exception(StorageError(error))
+
+    def lag(self) -> dict[str, Any]:
+        """How far the storage is behind: results waiting for their line (in the call under
+        way or behind it) and the age of the oldest (``/status``'s storage lag)."""
+        return {"results_waiting": len(self._waiting) + self._sending,
+                "oldest_s": round(time.monotonic() - self._since[0], 3) if self._since else 0.0}

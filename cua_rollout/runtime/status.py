@@ -114,8 +114,7 @@ class StatusBoard:
             "model_servers": stats.get("model_servers"),
             "runners": {"alive": stats.get("runners"),
                         "replaced": stats.get("runners_replaced")},
-            # The coordinator's statistics carry no storage lag yet: null says "not known",
-            # never "no lag".
+            # Results waiting for their results.jsonl line, and the oldest one's age.
             "storage_lag": stats.get("storage_lag"),
             "poll_s": round(poll_s, 4),
             "t": self._wall(),

@@ -44,8 +44,11 @@ async def test_a_lone_result_goes_at_once_and_the_next_ones_wait_together():
     rest = [asyncio.ensure_future(recorder.record(_record(n), f"s{n}"))
             for n in range(1, BATCH_MAX + 6)]
     await asyncio.sleep(0)
+    lag = recorder.lag()  # the storage's lag, as /status shows it: all of them wait
+    assert lag["results_waiting"] == BATCH_MAX + 6 and lag["oldest_s"] >= 0
     storage.gate.set()
     await asyncio.gather(first, *rest)
+    assert recorder.lag() == {"results_waiting": 0, "oldest_s": 0.0}
     assert [len(c) for c in storage.calls] == [1, BATCH_MAX, 5]
     assert storage.calls[0] == [(_record(0), "s0", ["old"])]
     assert storage.calls[1][0] == (_record(1), "s1", [])

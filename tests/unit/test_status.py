@@ -36,6 +36,7 @@ def stats(*, running: int = 2, queued: int = 3, steps: int = 0, **more: Any) -> 
             "desktops": {"free": 1, "leased": 2, "resetting": 0, "quarantined": 0,
                          "starting": 0},
             "runners": 2, "runners_replaced": 1, "waiting": None,
+            "storage_lag": {"results_waiting": 3, "oldest_s": 0.4},
             "outages": {"model": {"outages": 1, "down_s": 12.5}}, "fatal": None,
             "model_servers": {"endpoints": [{"url": "http://m:8000"}],
                               "summary": {"running": 1}}, **more}
@@ -223,7 +224,7 @@ def test_status_says_what_the_run_does(served: Any) -> None:
     assert body["desktops"]["leased"] == 2
     assert body["model_servers"]["endpoints"] == [{"url": "http://m:8000"}]
     assert body["runners"] == {"alive": 2, "replaced": 1}
-    assert "storage_lag" in body and body["storage_lag"] is None  # not in the stats yet
+    assert body["storage_lag"] == {"results_waiting": 3, "oldest_s": 0.4}
     assert body["poll_s"] == 0.012
     assert body["healthy"] == {"ok": True, "reason": None}
     assert not any(k.startswith("_") for k in body)
