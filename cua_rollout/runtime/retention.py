@@ -5,8 +5,9 @@ policy says, with a marker per episode (core/retention.py), and the run director
 within ``max_gb``, oldest released first.
 
 Incremental: a sweep reads only what is new. Two cursors over results.jsonl (byte offsets of
-complete lines, with the file's identity; a compaction at start replaces the file and starts
-them over) size each new episode's directory once and, without an index, release each line
+complete lines, with the file's identity; a compaction at start that rewrites the file
+carries them to the same lines of the new one: ``carry_cursors``) size each new episode's
+directory once and, without an index, release each line
 once; with an index, released groups are the acked ones not yet swept (one indexed query,
 ``TrainingIndex.released_groups``). Cursors and totals persist in
 ``<run>/retention.state.json``.
