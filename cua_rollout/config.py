@@ -139,6 +139,17 @@ class RayConfig(_Section):
     """Dashboard port of a locally started cluster."""
     working_dir: Path | None = None
     """``runtime_env.working_dir`` shipped to a remote cluster (null: none, code is local)."""
+    task_events_kept: PositiveInt = 10000
+    """Task events the GCS of a locally started cluster keeps for the dashboard's task list
+    (Ray's ``task_events_max_num_task_in_gcs``, 100,000 by default: ~11 KB per episode of
+    GCS memory until that cap, 1 GB in a long run). A cluster this run joins keeps its own
+    setting."""
+    log_rotation_mb: PositiveInt = 64
+    """Each log file of a locally started cluster is rotated at this size, keeping
+    ``log_backups`` old ones (Ray's ``RAY_ROTATION_MAX_BYTES``; its 512 MB x 5 per file let a
+    week-long run's logs grow to GBs)."""
+    log_backups: NonNegInt = 2
+    """Rotated log files kept per log (Ray's ``RAY_ROTATION_BACKUP_COUNT``)."""
 
 
 class DynamicRolloutsConfig(_Section):

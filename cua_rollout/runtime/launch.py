@@ -111,7 +111,14 @@ def start_ray(cfg: Config) -> bool:
             include_dashboard=cfg.ray.include_dashboard,
             dashboard_host=cfg.ray.dashboard_host,
             dashboard_port=cfg.ray.dashboard_port,
+            # Bounded for a run that goes on for weeks (issue 34's soak: the GCS grew by
+            # ~11 KB an episode with Ray's default of 100,000 task events).
+            _system_config={"task_events_max_num_task_in_gcs": cfg.ray.task_events_kept},
         )
+        # Read by the node this process starts (ray._private.node), inherited by its
+        # processes' log rotation.
+        os.environ["RAY_ROTATION_MAX_BYTES"] = str(cfg.ray.log_rotation_mb * 1024 * 1024)
+        os.environ["RAY_ROTATION_BACKUP_COUNT"] = str(cfg.ray.log_backups)
     try:
         ray.init(**kwargs)
     except Exception as exc:

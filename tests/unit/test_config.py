@@ -20,7 +20,8 @@ ROOT = REPO_ROOT
 FULL = """
 run: {name: exp-1, output_dir: out, seed: 7, log_level: DEBUG}
 ray: {address: auto, namespace: ns, num_cpus: 2, include_dashboard: false,
-      dashboard_host: 127.0.0.1, dashboard_port: 8266, working_dir: .}
+      dashboard_host: 127.0.0.1, dashboard_port: 8266, working_dir: ., task_events_kept: 5000,
+      log_rotation_mb: 32, log_backups: 1}
 tasks:
   source: tasks/demo/test_all.json
   examples_dir: tasks/demo/examples
