@@ -3,9 +3,10 @@
     python benchmarks/chaos.py [--quick] [--json OUT] [--only NAME ...]
 
 Each scenario runs ``run.py`` as a subprocess (its own local Ray cluster, runners, storage,
-coordinator and model client) on a fresh run directory, against simulated desktops and model
-replicas (``benchmarks/sim_world.py``: ``desktops.provider: static``; the model either as
-``model.endpoints`` or as a run_model.py-style ``endpoints.json`` the script publishes),
+coordinator and model client; node_lost: a cluster of two hosts) on a fresh run directory,
+against simulated desktops and model replicas (``benchmarks/sim_world.py``:
+``desktops.provider: static``; the model either as ``model.endpoints`` or as a
+run_model.py-style ``endpoints.json`` the script publishes),
 injects its fault mid-run, reruns the driver when the fault stopped the run (as an operator
 would: the same command), and then reads the run directory. Servers are killed for real
 (SIGKILL of their process); where one must come back at the same URL (static
@@ -25,6 +26,21 @@ a loopback gate (``benchmarks/chaos_proxy.py``) that refuses connections while i
     driver_killed          run.py SIGKILLed -> rerun
     runner_killed          a TrajectoryRunner actor's process SIGKILLed
     second_driver          a second run.py on the same run dir while the first runs
+    slow_endpoint          one of two replicas (static model.endpoints, gated) answers 10x
+                           slower for 60 s (quick 10 s), then normally
+    network_cut            the desktops on a host of their own (a network namespace); every
+                           packet to and from it dropped for 20 s (quick 8 s): timeouts, not
+                           refusals; the desktops live on
+    node_lost              a Ray cluster of two hosts (namespaces: head a, worker b, each with
+                           runners and desktops); b's raylet, workers and desktops SIGKILLed
+                           while its runners run episodes: a finishes the run
+    postgres_restart       the trainer's index on a PostgreSQL server of its own
+                           (storage.database_url) stopped mid-run, down 10 s, started again
+
+network_cut and node_lost need root, ip, nsenter and iptables (tests/support/hosts.py makes
+the hosts); postgres_restart needs Debian's PostgreSQL server binaries (as
+tests/integration/test_training_postgres.py). The disk filling during a retention sweep
+comes with ``storage.retention`` (see the note by SCENARIO_FUNCS).
 
 Counted:
 
@@ -42,11 +58,14 @@ Counted:
                          injected fault is recoverable, so every one counts)
     recover_s            seconds from the end of the fault (for a fault that stops the run: the
                          rerun's start) to the first episode that ended after it
+    index_behind         (postgres_restart) final results.jsonl records the index lacks, or has
+                         with another attempt or status, once the run has ended
 
-The target is every count 0. Figures are printed and written (``--json``), with what each
-scenario saw (``facts``: exit codes, requests cut, outages, ...) and ``notes`` on anything
-unexpected; nothing is asserted here (tests/integration/test_chaos.py runs ``--quick``). The
-exit code is 0 unless the harness itself failed.
+The target is every count 0 but expected and recorded, and recorded == expected. Figures are
+printed and written (``--json``), with what each scenario saw (``facts``: exit codes, requests
+cut, outages, how the routing split requests, episodes per node, ...) and ``notes`` on
+anything unexpected; nothing is asserted here (tests/integration/test_chaos.py runs
+``--quick``). The exit code is 0 unless the harness itself failed.
 
 Cleanup is exact: each scenario's drivers run with a marker in their environment, which every
 process of their Ray cluster inherits; whatever carries it is ended by pid at the end (and
