@@ -1002,17 +1002,29 @@ def runner_killed(ctx: Ctx) -> None:
 
 
 def second_driver(ctx: Ctx) -> None:
-    """A second run.py on the same run directory while the first runs: it must exit 1 at once
-    naming the holder, start nothing and change nothing."""
+    """A second run.py on the same run directory while the first runs (held, its replicas
+    draining, until the second is done): it must exit 1 at once naming the holder, start
+    nothing and change nothing."""
     proc = _midrun(ctx, episodes=1)
     if proc is None:
         return
     before = json.loads((ctx.run.run_dir / RUN_FILE).read_text())
+    # The first run held (its replicas draining: episodes wait for the model) until the
+    # second has exited: on a loaded machine the second's start can outlast a whole run,
+    # which then ends, frees the lock and leaves nothing to refuse.
+    for i in range(len(ctx.fleet.replicas)):
+        ctx.fleet.set(i, draining=True, state="draining")
     marker = f"{ctx.run.marker}-second"
     t0 = time.monotonic()
     second = ctx.run.start("second driver", marker=marker)
     code = ctx.run.wait(second, 120)
+    first_alive = proc.poll() is None
+    for i in range(len(ctx.fleet.replicas)):
+        ctx.fleet.set(i, draining=False, state="serving")
     ctx.run.fault_end = time.time()
+    if not first_alive:
+        ctx.run.notes.append(f"the first driver exited ({proc.returncode}) before the second "
+                             "was done: the run was not held")
     text = ctx.run.error_text(second) or ""
     lines = [x for x in text.splitlines() if x.strip()]
     facts = ctx.run.facts
