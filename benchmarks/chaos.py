@@ -3,9 +3,10 @@
     python benchmarks/chaos.py [--quick] [--json OUT] [--only NAME ...]
 
 Each scenario runs ``run.py`` as a subprocess (its own local Ray cluster, runners, storage,
-coordinator and model client) on a fresh run directory, against simulated desktops and model
-replicas (``benchmarks/sim_world.py``: ``desktops.provider: static``; the model either as
-``model.endpoints`` or as a run_model.py-style ``endpoints.json`` the script publishes),
+coordinator and model client; node_lost: a cluster of two hosts) on a fresh run directory,
+against simulated desktops and model replicas (``benchmarks/sim_world.py``:
+``desktops.provider: static``; the model either as ``model.endpoints`` or as a
+run_model.py-style ``endpoints.json`` the script publishes),
 injects its fault mid-run, reruns the driver when the fault stopped the run (as an operator
 would: the same command), and then reads the run directory. Servers are killed for real
 (SIGKILL of their process); where one must come back at the same URL (static
@@ -25,6 +26,21 @@ a loopback gate (``benchmarks/chaos_proxy.py``) that refuses connections while i
     driver_killed          run.py SIGKILLed -> rerun
     runner_killed          a TrajectoryRunner actor's process SIGKILLed
     second_driver          a second run.py on the same run dir while the first runs
+    slow_endpoint          one of two replicas (static model.endpoints, gated) answers 10x
+                           slower for 60 s (quick 10 s), then normally
+    network_cut            the desktops on a host of their own (a network namespace); every
+                           packet to and from it dropped for 20 s (quick 8 s): timeouts, not
+                           refusals; the desktops live on
+    node_lost              a Ray cluster of two hosts (namespaces: head a, worker b, each with
+                           runners and desktops); b's raylet, workers and desktops SIGKILLed
+                           while its runners run episodes: a finishes the run
+    postgres_restart       the trainer's index on a PostgreSQL server of its own
+                           (storage.database_url) stopped mid-run, down 10 s, started again
+
+network_cut and node_lost need root, ip, nsenter and iptables (tests/support/hosts.py makes
+the hosts); postgres_restart needs Debian's PostgreSQL server binaries (as
+tests/integration/test_training_postgres.py). The disk filling during a retention sweep
+comes with ``storage.retention`` (see the note by SCENARIO_FUNCS).
 
 Counted:
 
@@ -42,11 +58,14 @@ Counted:
                          injected fault is recoverable, so every one counts)
     recover_s            seconds from the end of the fault (for a fault that stops the run: the
                          rerun's start) to the first episode that ended after it
+    index_behind         (postgres_restart) final results.jsonl records the index lacks, or has
+                         with another attempt or status, once the run has ended
 
-The target is every count 0. Figures are printed and written (``--json``), with what each
-scenario saw (``facts``: exit codes, requests cut, outages, ...) and ``notes`` on anything
-unexpected; nothing is asserted here (tests/integration/test_chaos.py runs ``--quick``). The
-exit code is 0 unless the harness itself failed.
+The target is every count 0 but expected and recorded, and recorded == expected. Figures are
+printed and written (``--json``), with what each scenario saw (``facts``: exit codes, requests
+cut, outages, how the routing split requests, episodes per node, ...) and ``notes`` on
+anything unexpected; nothing is asserted here (tests/integration/test_chaos.py runs
+``--quick``). The exit code is 0 unless the harness itself failed.
 
 Cleanup is exact: each scenario's drivers run with a marker in their environment, which every
 process of their Ray cluster inherits; whatever carries it is ended by pid at the end (and
@@ -58,6 +77,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -94,17 +114,25 @@ from cua_rollout.core.layout import (  # noqa: E402
 )
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE  # noqa: E402
 from tests.doubles.disk import fill  # noqa: E402
+from tests.support.hosts import Hosts, Processes, ray_env, sh, start_ray, wait_for  # noqa: E402
 
 __all__ = ["COUNTS", "FULL", "QUICK", "SCENARIOS", "Size", "count", "main", "recover_s"]
 
 SCENARIOS = ("model_down", "replica_killed", "single_replica_reload", "desktops_killed",
              "desktop_hangs", "storage_killed", "disk_full", "driver_killed", "runner_killed",
-             "second_driver")
+             "second_driver", "slow_endpoint", "network_cut", "node_lost", "postgres_restart")
+# Scenarios on hosts of their own (network namespaces: root, ip, nsenter, iptables).
+NET_SCENARIOS = ("network_cut", "node_lost")
+SLOW_FACTOR = 10.0                 # slow_endpoint: answers this many times slower
+# node_lost: a dead node found within seconds, not Ray's default ~30 s (as
+# tests/integration/test_multi_node.py).
+RAY_HEALTH = {"RAY_health_check_period_ms": "1000", "RAY_health_check_timeout_ms": "2000",
+              "RAY_health_check_failure_threshold": "5"}
 COUNTS = ("expected", "recorded", "lost", "duplicated", "misrecorded", "outage_infra_errors")
 SCORED = ("success", "failure", "max_steps", "timeout")
 MARKER_ENV = "CUA_CHAOS_MARKER"   # in the environment of every process of a scenario's Ray
 # Model outages: no episode may use an attempt on them (a wait, then a requeue).
-MODEL_SCENARIOS = ("model_down", "replica_killed", "single_replica_reload")
+MODEL_SCENARIOS = ("model_down", "replica_killed", "single_replica_reload", "slow_endpoint")
 # How long a SIGKILLed driver's Ray cluster is given to end by itself.
 ORPHAN_GRACE_S = 60.0
 
@@ -122,14 +150,17 @@ class Size:
     desktop_timeout_s: float  # desktops.request_timeout_s (a hung /execute is found after it)
     progress_timeout_s: float  # longest wait for the run to reach the point of injection
     run_timeout_s: float      # one driver's longest run
+    slow_s: float = 10.0      # a model endpoint answering SLOW_FACTOR x slower
+    cut_s: float = 8.0        # the network between runners and desktops cut
+    db_down_s: float = 10.0   # the index's PostgreSQL server stopped
 
 
 QUICK = Size(tasks=10, concurrency=6, outage_s=8.0, model_wait_s=4.0, reload_s=3.0,
              desktop_back_s=6.0, hang_s=8.0, desktop_timeout_s=4.0, progress_timeout_s=120.0,
-             run_timeout_s=240.0)
+             run_timeout_s=240.0, slow_s=10.0, cut_s=8.0, db_down_s=10.0)
 FULL = Size(tasks=40, concurrency=6, outage_s=60.0, model_wait_s=20.0, reload_s=20.0,
             desktop_back_s=30.0, hang_s=45.0, desktop_timeout_s=10.0, progress_timeout_s=300.0,
-            run_timeout_s=900.0)
+            run_timeout_s=900.0, slow_s=60.0, cut_s=20.0, db_down_s=10.0)
 # Short episodes (2-5 model calls) keep a scenario to tens of seconds.
 LENGTHS = EpisodeLengths(median_steps=3.0, sigma=0.3, tail_fraction=0.0, min_steps=2,
                          max_steps=5)
@@ -317,6 +348,206 @@ def _port(url: str) -> int:
     return int(url.split("://", 1)[1].split("/", 1)[0].rsplit(":", 1)[1])
 
 
+class Net:
+    """Hosts of their own on this machine (``tests.support.hosts``: a network namespace each
+    on one bridge) for the faults of a network: this machine reaches them through an address
+    of its own on the bridge; what runs there is started in sessions of its own and ended by
+    process group."""
+
+    def __init__(self, work: Path, names: list[str]) -> None:
+        if os.geteuid() != 0:
+            raise HarnessError("network namespaces need root")
+        for tool in ("ip", "nsenter", "iptables"):
+            if shutil.which(tool) is None:
+                raise HarnessError(f"{tool} is not installed (scripts/setup_env.sh --dev)")
+        (work / "hosts").mkdir(exist_ok=True)
+        self.procs = Processes(work / "hosts")
+        self.hosts = Hosts(names).__enter__()
+        self.cuts: set[str] = set()
+        try:
+            self.gateway = self.hosts.ip[names[0]].rsplit(".", 1)[0] + ".254"
+            sh("ip", "addr", "add", f"{self.gateway}/24", "dev", self.hosts.bridge)
+        except BaseException:
+            self.hosts.__exit__()
+            raise
+
+    def serve(self, host: str, **what: Any) -> dict[str, Any]:
+        """A sim world serving on ``host``'s address (process ``sim-<host>``): its URLs."""
+        argv = [sys.executable, str(ROOT / "benchmarks" / "sim_world.py"), "serve", "--host",
+                self.hosts.ip[host]]
+        for key, value in what.items():
+            argv += [f"--{key.replace('_', '-')}",
+                     json.dumps(dataclasses.asdict(value)) if dataclasses.is_dataclass(value)
+                     else str(value)]
+        name = f"sim-{host}"
+        self.procs.start(name, self.hosts.argv(host, *argv),
+                         {**os.environ, "PYTHONPATH": str(ROOT)})
+
+        def urls() -> dict[str, Any] | None:
+            for line in self.procs.log(name, 100_000).splitlines():
+                if line.startswith("{"):
+                    return dict(json.loads(line))
+            return None
+
+        return dict(wait_for(f"the sim world on {host}", urls, 120, self.procs, [name], 0.2))
+
+    def cut(self, host: str) -> None:
+        """Every packet to and from ``host`` dropped (a cut cable, not a refusal: senders
+        time out); its processes live on."""
+        for chain in ("INPUT", "OUTPUT"):
+            sh("nsenter", f"--net=/run/netns/{self.hosts.ns[host]}", "iptables", "-I", chain,
+               "-j", "DROP")
+        self.cuts.add(host)
+
+    def restore(self, host: str) -> None:
+        for chain in ("INPUT", "OUTPUT"):
+            sh("nsenter", f"--net=/run/netns/{self.hosts.ns[host]}", "iptables", "-D", chain,
+               "-j", "DROP")
+        self.cuts.discard(host)
+
+    def processes_on(self, host: str, prefix: str = "") -> list[int]:
+        """Pids of the live processes in ``host``'s namespace whose command line starts with
+        ``prefix``."""
+        netns = os.stat(f"/run/netns/{self.hosts.ns[host]}").st_ino
+        out = []
+        for proc in psutil.process_iter(["pid"]):
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.stat(f"/proc/{proc.pid}/ns/net").st_ino != netns \
+                        or proc.status() == psutil.STATUS_ZOMBIE:
+                    continue
+                if " ".join(proc.cmdline()).startswith(prefix):
+                    out.append(proc.pid)
+        return out
+
+    def stop(self) -> None:
+        for host in list(self.cuts):
+            with contextlib.suppress(subprocess.SubprocessError):
+                self.restore(host)
+        self.procs.stop_all()
+        self.hosts.__exit__()
+
+
+class NetDesktops:
+    """Six simulated desktops on a host of their own (``d``), reached from this machine
+    (runners, pool) over the bridge: the network between them can be cut."""
+
+    def __init__(self, net: Net) -> None:
+        served = net.serve("d", desktops=6, desktop=DESKTOP)
+        self.urls: list[str] = list(served["desktop_urls"])
+        self.reset_command: list[str] = list(served["reset_command"])
+
+    def stop(self) -> None:
+        pass  # its server is one of the Net's processes
+
+
+class NodeCluster:
+    """A Ray cluster of two hosts: the head on ``a`` (the driver, storage, coordinator, pool,
+    runners; the model replicas; three desktops) and a worker node on ``b`` (runners; three
+    desktops of its own). Runners of 0.5 CPU on nodes of 2: either node alone holds all."""
+
+    RAY_PORT = 6379  # in a's namespace of its own: nothing else listens there
+
+    def __init__(self, net: Net, work: Path) -> None:
+        self.env = ray_env(**RAY_HEALTH)
+        on_a = net.serve("a", model_servers=2, model=MODEL, desktops=3, desktop=DESKTOP)
+        on_b = net.serve("b", desktops=3, desktop=DESKTOP)
+        self.model_urls: list[str] = list(on_a["model_urls"])
+        self.urls: list[str] = [*on_a["desktop_urls"], *on_b["desktop_urls"]]
+        self.reset_command: list[str] = list(on_a["reset_command"])
+        nodes = start_ray(net.procs, net.hosts, self.env, head="a", cpus={"a": 2, "b": 2},
+                          port=self.RAY_PORT, temp_dir=work / "ray",
+                          args=["--object-store-memory=200000000"])
+        by_ip = {ip: h for h, ip in net.hosts.ip.items()}
+        self.node_of = {by_ip[n["NodeManagerAddress"]]: str(n["NodeID"]) for n in nodes}
+        self.address = f"{net.hosts.ip['a']}:{self.RAY_PORT}"
+
+    def stop(self) -> None:
+        pass  # its processes are the Net's
+
+
+class Postgres:
+    """A PostgreSQL server of the scenario's own (Debian's binaries, as
+    tests/integration/test_training_postgres.py starts one), stopped and started again at
+    the same port; as root, run as the ``postgres`` user."""
+
+    def __init__(self) -> None:
+        import pwd
+
+        found = [p.parent for p in Path("/usr/lib/postgresql").glob("*/bin/initdb")
+                 if (p.parent / "pg_ctl").exists() and p.parent.parent.name.isdigit()]
+        if not found:
+            raise HarnessError("PostgreSQL's server binaries are not installed "
+                               "(apt-get install postgresql)")
+        self.bindir = max(found, key=lambda p: int(p.parent.name))
+        self.prefix: list[str] = []
+        self.root = Path(tempfile.mkdtemp(prefix="chaos-pg-"))
+        self.data, self.sockets = self.root / "data", self.root / "sock"
+        self.log = self.root / "server.log"
+        self.sockets.mkdir()
+        self.running = False
+        try:
+            if os.geteuid() == 0:
+                try:
+                    owner = pwd.getpwnam("postgres")
+                except KeyError:
+                    raise HarnessError("running as root and there is no postgres user to "
+                                       "run the server as") from None
+                self.prefix = ["runuser", "-u", "postgres", "--"]
+                for path in (self.root, self.sockets):
+                    os.chown(path, owner.pw_uid, owner.pw_gid)
+            self._pg("initdb", "-D", str(self.data), "--auth=trust", "-U", "postgres", "-E",
+                     "UTF8", "--no-sync")
+            self.port = _free_port()
+            self.start()
+        except BaseException:
+            self.close()
+            raise
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def _pg(self, tool: str, *args: str) -> None:
+        done = subprocess.run([*self.prefix, str(self.bindir / tool), *args],
+                              capture_output=True, text=True, timeout=120, check=False)
+        if done.returncode != 0:
+            log = self.log.read_text(errors="replace")[-1500:] if self.log.exists() else ""
+            raise HarnessError(f"{tool} {' '.join(args[-1:])} failed: {done.stderr.strip()}"
+                               f"\n{log}")
+
+    def start(self) -> None:
+        options = (f"-k {self.sockets} -p {self.port} -c listen_addresses=127.0.0.1 "
+                   "-c fsync=off -c synchronous_commit=off -c full_page_writes=off")
+        self._pg("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "-o",
+                 options, "start")
+        self.running = True
+
+    def stop(self) -> None:
+        """An ordinary fast shutdown: connections are closed, the port refuses."""
+        self._pg("pg_ctl", "-D", str(self.data), "stop", "-m", "fast")
+        self.running = False
+
+    def episodes(self) -> dict[str, tuple[int | None, str]]:
+        """The index's episodes: episode_id -> (attempt, status)."""
+        import psycopg
+
+        plain = self.url.replace("postgresql+psycopg://", "postgresql://")
+        with psycopg.connect(plain) as conn:
+            rows = conn.execute("SELECT episode_id, attempt, status FROM episodes").fetchall()
+        return {str(r[0]): (r[1], str(r[2])) for r in rows}
+
+    def close(self) -> None:
+        if self.running:
+            with contextlib.suppress(HarnessError, subprocess.SubprocessError):
+                self.stop()
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
 # --------------------------------------------------------------------------- one run
 
 
@@ -335,15 +566,17 @@ class Run:
     notes: list[str] = field(default_factory=list)
     facts: dict[str, Any] = field(default_factory=dict)
     fault_end: float | None = None   # wall-clock end of the fault (time.time())
+    prefix: list[str] = field(default_factory=list)  # the drivers' host (nsenter ... --)
+    env: dict[str, str] = field(default_factory=dict)  # and their environment's extras
 
     def start(self, label: str, marker: str | None = None) -> subprocess.Popen[bytes]:
         """Start ``run.py`` on the scenario's config; its output goes to a log of its own."""
         log = self.work / f"driver-{len(self.drivers)}-{label.replace(' ', '_')}.log"
         with log.open("wb") as out:
             env = {**os.environ, MARKER_ENV: marker or self.marker,
-                   "RAY_TMPDIR": str(self.work / "r")}
-            proc = subprocess.Popen([sys.executable, str(ROOT / "run.py"), "--config",
-                                     str(self.config)], cwd=ROOT, stdout=out,
+                   "RAY_TMPDIR": str(self.work / "r"), **self.env}
+            proc = subprocess.Popen([*self.prefix, sys.executable, str(ROOT / "run.py"),
+                                     "--config", str(self.config)], cwd=ROOT, stdout=out,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                     start_new_session=True, env=env)
         self.drivers.append(proc)
@@ -448,11 +681,17 @@ def tasks_for(name: str, size: Size) -> int:
         return size.tasks + round(2 * size.hang_s) + 20
     if name == "desktops_killed":
         return size.tasks + round(size.desktop_back_s)
+    if name == "slow_endpoint":  # work through the slow minute and ~10 s after it
+        return size.tasks + round(2 * size.slow_s) + 20
+    if name == "postgres_restart":  # episodes recorded while the index is down, and after
+        return size.tasks + round(2 * size.db_down_s) + 10
+    if name in ("network_cut", "node_lost"):  # work left when the network is back
+        return size.tasks + 10
     return size.tasks
 
 
-def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Desktops,
-                fleet: Fleet) -> Path:
+def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Any,
+                fleet: Fleet, overrides: dict[str, dict[str, Any]] | None = None) -> Path:
     tasks = work / "tasks.jsonl"
     write_tasks(tasks, tasks_for(name, size))
     model: dict[str, Any] = {
@@ -483,6 +722,8 @@ def make_config(name: str, size: Size, work: Path, run_root: Path, desktops: Des
                    "evaluation_timeout_s": 30},
         "monitoring": {"progress_bar": False, "ray_metrics": False, "metrics_interval_s": 1},
     }
+    for section, values in (overrides or {}).items():
+        config.setdefault(section, {}).update(values)
     path = work / f"{name}.yaml"
     path.write_text(json.dumps(config, indent=1))
     return path
@@ -511,9 +752,11 @@ def small_filesystem(directory: Path, size_bytes: int) -> Iterator[Path]:
 @dataclass
 class Ctx:
     run: Run
-    desktops: Desktops
+    desktops: Any            # Desktops; NetDesktops or NodeCluster on hosts of their own
     fleet: Fleet
     size: Size
+    net: Net | None = None
+    pg: Postgres | None = None
 
 
 def _midrun(ctx: Ctx, episodes: int = 2) -> subprocess.Popen[bytes] | None:
@@ -759,17 +1002,29 @@ def runner_killed(ctx: Ctx) -> None:
 
 
 def second_driver(ctx: Ctx) -> None:
-    """A second run.py on the same run directory while the first runs: it must exit 1 at once
-    naming the holder, start nothing and change nothing."""
+    """A second run.py on the same run directory while the first runs (held, its replicas
+    draining, until the second is done): it must exit 1 at once naming the holder, start
+    nothing and change nothing."""
     proc = _midrun(ctx, episodes=1)
     if proc is None:
         return
     before = json.loads((ctx.run.run_dir / RUN_FILE).read_text())
+    # The first run held (its replicas draining: episodes wait for the model) until the
+    # second has exited: on a loaded machine the second's start can outlast a whole run,
+    # which then ends, frees the lock and leaves nothing to refuse.
+    for i in range(len(ctx.fleet.replicas)):
+        ctx.fleet.set(i, draining=True, state="draining")
     marker = f"{ctx.run.marker}-second"
     t0 = time.monotonic()
     second = ctx.run.start("second driver", marker=marker)
     code = ctx.run.wait(second, 120)
+    first_alive = proc.poll() is None
+    for i in range(len(ctx.fleet.replicas)):
+        ctx.fleet.set(i, draining=False, state="serving")
     ctx.run.fault_end = time.time()
+    if not first_alive:
+        ctx.run.notes.append(f"the first driver exited ({proc.returncode}) before the second "
+                             "was done: the run was not held")
     text = ctx.run.error_text(second) or ""
     lines = [x for x in text.splitlines() if x.strip()]
     facts = ctx.run.facts
@@ -790,13 +1045,132 @@ def second_driver(ctx: Ctx) -> None:
         ctx.run.notes.append("run.json records a start of the second driver")
 
 
+def slow_endpoint(ctx: Ctx) -> None:
+    """One of two replicas (static ``model.endpoints``, each behind a gate) answers
+    ``SLOW_FACTOR`` times slower for ``slow_s``, then at its normal speed again."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    slow, fast = ctx.fleet.replicas
+    assert slow.gate is not None and fast.gate is not None
+    gates = (slow.gate, fast.gate)
+    before = [g.forwarded for g in gates]
+    slow.gate.slow(SLOW_FACTOR)
+    time.sleep(ctx.size.slow_s)
+    during = [g.forwarded for g in gates]
+    slow.gate.slow(1)
+    ctx.run.fault_end = time.time()
+    _outcome(ctx, proc)
+    after = [g.forwarded for g in gates]
+    # What the routing did: requests answered by each replica in the slow window, and after.
+    ctx.run.facts.update(
+        slowed=slow.gate.slowed,
+        answered_while_slow={"slow": during[0] - before[0], "fast": during[1] - before[1]},
+        answered_after={"slow": after[0] - during[0], "fast": after[1] - during[1]})
+
+
+def network_cut(ctx: Ctx) -> None:
+    """Every packet between this machine (runners, pool) and the desktops' host dropped for
+    ``cut_s`` (iptables DROP in its namespace: connections time out, nothing is refused);
+    the desktops live on and the network comes back."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    assert ctx.net is not None
+    t0 = time.monotonic()
+    ctx.net.cut("d")
+    time.sleep(ctx.size.cut_s)
+    ctx.net.restore("d")
+    ctx.run.fault_end = time.time()
+    ctx.run.facts["cut_s"] = round(time.monotonic() - t0, 1)
+    ctx.run.facts["recorded_at_restore"] = ctx.run.recorded()
+    _outcome(ctx, proc)
+
+
+def node_lost(ctx: Ctx) -> None:
+    """A Ray worker node (host ``b``: its raylet and workers, by process group, and its
+    simulated desktops) SIGKILLed while its runners run episodes; the head's node (``a``)
+    must finish every episode."""
+    cluster = ctx.desktops
+    assert isinstance(cluster, NodeCluster) and ctx.net is not None
+    proc = ctx.run.start("driver")
+    b_node = cluster.node_of["b"]
+    # Mid-run: episodes recorded, runners of b among their runners.
+    if not ctx.run.until(lambda: ctx.run.recorded() >= 2 and any(
+            r.get("node") == b_node for r in ctx.run.lines()),
+            "episodes recorded, some by the runners of b"):
+        ctx.run.wait(proc, 5)
+        return
+    facts = ctx.run.facts
+    facts["recorded_at_fault"] = ctx.run.recorded()
+    facts["runners_on_b_at_kill"] = len(ctx.net.processes_on("b", "ray::TrajectoryRunner"))
+    ctx.net.procs.kill("ray-b")
+    ctx.net.procs.kill("sim-b")
+    ctx.run.fault_end = time.time()
+    deadline = time.monotonic() + 10
+    while (left := ctx.net.processes_on("b")) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    facts["left_on_b"] = len(left)
+    if left:
+        ctx.run.notes.append(f"{len(left)} process(es) of b outlived its kill")
+    _outcome(ctx, proc)
+    hosts = {v: k for k, v in cluster.node_of.items()}
+    lines = ctx.run.lines()
+    facts["episodes_by_node"] = dict(Counter(hosts.get(str(r.get("node")), "?")
+                                             for r in lines))
+    facts["after_kill_by_node"] = dict(Counter(
+        hosts.get(str(r.get("node")), "?") for r in lines
+        if float(r.get("started_at") or 0) >= (ctx.run.fault_end or 0)))
+
+
+def postgres_restart(ctx: Ctx) -> None:
+    """The trainer's index (``storage.database_url``: PostgreSQL) stopped mid-run, down for
+    ``db_down_s``, started again: no episode lost, and the index has every recorded episode
+    by the end of the run (``index_behind``)."""
+    proc = _midrun(ctx)
+    if proc is None:
+        return
+    assert ctx.pg is not None
+    t0 = time.monotonic()
+    ctx.pg.stop()
+    ctx.run.facts["recorded_at_stop"] = ctx.run.recorded()
+    time.sleep(max(0.0, ctx.size.db_down_s - (time.monotonic() - t0)))
+    ctx.run.facts["recorded_while_down"] = ctx.run.recorded() - ctx.run.facts["recorded_at_stop"]
+    ctx.pg.start()
+    ctx.run.fault_end = time.time()
+    facts = ctx.run.facts
+    facts["db_down_s"] = round(time.monotonic() - t0, 1)
+    # How far behind the index was just after the server came back (0 when a retry of the
+    # storage's happened to land between the server's start and this look).
+    facts["behind_at_restart"] = index_behind(ctx.run.run_dir, ctx.pg.episodes())[
+        "index_behind"]
+    _outcome(ctx, proc)
+    # The storage's error line (its "written again" is at INFO, not forwarded to the driver).
+    said = "\n".join(p.read_text(errors="replace") for p in ctx.run.logs if p.exists())
+    facts["index_failure_logged"] = "(retrying; results.jsonl has the episodes)" in said
+
+
+def index_behind(run_dir: Path, index: dict[str, tuple[int | None, str]]) -> dict[str, Any]:
+    """How many final results.jsonl records the index lacks or has with another attempt or
+    status (a cancelled line is never indexed), and which."""
+    last = {str(r.get("episode_id")): r for r in read_jsonl(run_dir / RESULTS_FILE)[0]}
+    behind = sorted(eid for eid, r in last.items() if r.get("status") != "cancelled"
+                    and index.get(eid) != (r.get("attempt"), r.get("status")))
+    return {"index_behind": len(behind), "index_rows": len(index),
+            "index_behind_ids": behind[:10]}
+
+
 SCENARIO_FUNCS: dict[str, Callable[[Ctx], None]] = {
     "model_down": model_down, "replica_killed": replica_killed,
     "single_replica_reload": single_replica_reload, "desktops_killed": desktops_killed,
     "desktop_hangs": desktop_hangs, "storage_killed": storage_killed, "disk_full": disk_full,
     "driver_killed": driver_killed, "runner_killed": runner_killed,
-    "second_driver": second_driver,
+    "second_driver": second_driver, "slow_endpoint": slow_endpoint,
+    "network_cut": network_cut, "node_lost": node_lost, "postgres_restart": postgres_restart,
 }
+# A later scenario, the disk filling during a retention sweep (issue 34, item 5), needs
+# storage.retention: a small filesystem as disk_full's (small_filesystem), a run with
+# retention on and a trainer acking groups, filled while a sweep deletes.
 
 
 # --------------------------------------------------------------------------- counting
@@ -909,25 +1283,60 @@ def run_scenario(name: str, size: Size, keep: bool = False) -> dict[str, Any]:
                 row["kept"] = str(work)
             else:
                 stack.callback(shutil.rmtree, work, True)
-            desktops = Desktops()
+            net = pg = None
+            overrides: dict[str, dict[str, Any]] = {}
+            if name in NET_SCENARIOS:
+                net = Net(work, ["d"] if name == "network_cut" else ["a", "b"])
+                stack.callback(net.stop)
+            desktops: Any
+            if name == "network_cut":
+                assert net is not None
+                desktops = NetDesktops(net)
+            elif name == "node_lost":
+                assert net is not None
+                desktops = NodeCluster(net, work)
+                overrides["ray"] = {"address": desktops.address}
+                overrides["model"] = {"endpoints": desktops.model_urls}
+                # Three runners of two episodes, spread over both nodes.
+                overrides["coordinator"] = {"episodes_per_runner": 2, "runner_num_cpus": 0.5}
+            else:
+                desktops = Desktops()
             stack.callback(desktops.stop)
-            if name == "model_down":
+            if name == "postgres_restart":
+                pg = Postgres()
+                stack.callback(pg.close)
+                overrides["storage"] = {"database_url": pg.url}
+            if name in ("model_down", "slow_endpoint"):
                 fleet = Fleet(2, None, gated=True)
+            elif name == "node_lost":
+                fleet = Fleet(0, None)  # the replicas are on host a
             else:
                 fleet = Fleet(1 if name == "single_replica_reload" else 2, work / "fleet")
             stack.callback(fleet.stop)
             run_root = work / "results"
             if name == "disk_full":
                 run_root = stack.enter_context(small_filesystem(work / "fs", 16 * 2**20))
-            config = make_config(name, size, work, run_root, desktops, fleet)
+            config = make_config(name, size, work, run_root, desktops, fleet, overrides)
             run = Run(work, run_root / name, config, size, marker)
+            if name == "node_lost":
+                assert net is not None
+                run.prefix = net.hosts.argv("a")  # the driver on the head's host
+                run.env = {k: v for k, v in desktops.env.items()
+                           if k.startswith("RAY_") or k == "PYTHONPATH"}
             # Last in, first out: the run's processes end before the mount and the servers.
             stack.callback(_end_run, run)
-            SCENARIO_FUNCS[name](Ctx(run, desktops, fleet, size))
+            SCENARIO_FUNCS[name](Ctx(run, desktops, fleet, size, net, pg))
             n = tasks_for(name, size)
             counts = count(run.run_dir, n, {f"chaos/t{i:04d}/0" for i in range(n)})
             why = counts.pop("why")
             row.update(counts)
+            if pg is not None:  # the index caught up with results.jsonl
+                caught = index_behind(run.run_dir, pg.episodes())
+                row["index_behind"] = caught.pop("index_behind")
+                run.facts.update(caught)
+                if row["index_behind"]:
+                    run.notes.append(f"the index lacks {row['index_behind']} recorded "
+                                     f"episode(s) at the end of the run")
             row["recover_s"] = recover_s(run.run_dir, run.fault_end)
             row["wall_s"] = round(time.monotonic() - started, 1)
             row["exit_codes"] = run.exit_codes
@@ -1031,7 +1440,9 @@ def main(argv: list[str] | None = None) -> int:
         if "error" in row:
             print(row["traceback"], row.get("log_tail", ""), sep="\n", file=sys.stderr)
         else:
-            print(f"  {json.dumps({k: row[k] for k in (*COUNTS, 'recover_s', 'wall_s')})}",
+            shown = (*COUNTS, *(["index_behind"] if "index_behind" in row else []),
+                     "recover_s", "wall_s")
+            print(f"  {json.dumps({k: row[k] for k in shown})}",
                   file=sys.stderr, flush=True)
     runtime_s = time.monotonic() - t0
     print_table(rows, runtime_s, mode)

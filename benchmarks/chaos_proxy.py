@@ -7,6 +7,7 @@ middle of an ``/execute``.
     gate.up(new_port)    # a new server is behind the same URL again
     gate.freeze_on_execute()   # the next action /execute on some /d/<i>/ and everything
     gate.thaw()                # after it on that desktop hang until thaw()
+    gate.slow(10)        # every answer takes 10x as long as the server took (slow(1): normal)
 
 It serves exactly what ``benchmarks/sim_world.py`` serves (Content-Length bodies, no
 chunked transfer, no pipelining), from an event loop in a thread of the calling process.
@@ -49,6 +50,8 @@ class FaultProxy:
         self.held = 0                             # requests held while frozen
         self.forwarded = 0
         self.cut = 0                              # connections cut by down()
+        self.slow_factor = 1.0                    # answers held (factor - 1) x server time
+        self.slowed = 0                           # answers held by slow()
         self._armed = False
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="chaos-proxy",
@@ -82,6 +85,13 @@ class FaultProxy:
         """The next ``/execute`` that is not a reset, and every later request to the same
         desktop (``/d/<i>/``), get no answer until ``thaw()``."""
         self._armed = True
+
+    def slow(self, factor: float) -> None:
+        """Every answer from now on reaches the client ``factor`` times as late as the
+        server gave it (held ``(factor - 1)`` x the server's time); ``slow(1)``: normal."""
+        if factor < 1:
+            raise ValueError(f"slow factor {factor} < 1")
+        self.slow_factor = float(factor)
 
     def thaw(self) -> None:
         """Answer what was held; the desktop serves normally again."""
@@ -153,10 +163,14 @@ class FaultProxy:
                 if up is None:
                     up = await asyncio.open_connection(self.host, self.upstream_port)
                     self._writers.add(up[1])
+                sent = time.monotonic()
                 up[1].write(head + body)
                 await up[1].drain()
                 reply_head = await up[0].readuntil(_HEAD_END)
                 reply = await up[0].readexactly(_content_length(reply_head))
+                if self.slow_factor > 1:
+                    self.slowed += 1
+                    await asyncio.sleep((self.slow_factor - 1) * (time.monotonic() - sent))
                 writer.write(reply_head + reply)
                 await writer.drain()
                 self.forwarded += 1
