@@ -98,10 +98,13 @@ FULL_EPISODES = 100_000
 STATUS_EVERY_S = 0.2               # /status read this often (the loop passes every >= 0.5 s)
 LOOP_SLEEP_S = 0.5                 # runtime/driver.py's _POLL_INTERVAL_S
 ORPHAN_GRACE_S = 60.0              # a killed driver's Ray cluster is given this to end
+UNMARKED_GRACE_S = 5.0             # and its processes that do not show the marker, this
 EPISODES_AFTER_LAST_RESTART = 5    # the rerun at 100% goes on until it recorded these
 # Groups of the run's processes (``group_of``); "ray" is Ray's own (raylet, gcs, ...).
 GROUPS = ("driver", "AgentCoordinator", "TrajectoryRunner", "StorageActor", "DesktopPool",
           "other actors", "ray")
+# Ray's own processes titled like actors.
+RAY_ACTORS = ("DashboardAgent", "RuntimeEnvAgent")
 # The figures the table and --json carry (per group for rss_mb, fds, cpu_ms_per_step).
 FIGURES = ("rss_mb", "fds", "cpu_ms_per_step", "poll_s", "pass_s", "disk_mb",
            "episodes_per_s", "load")
@@ -146,6 +149,8 @@ def group_of(cmdline: list[str], pid: int, driver_pid: int | None) -> tuple[str,
         cls = first[5:].split(".", 1)[0].split()[0] if first[5:] else "?"
         if cls in GROUPS:
             return cls, f"ray::{cls}"
+        if cls in RAY_ACTORS:
+            return "ray", f"ray::{cls}"
         return "other actors", f"ray::{cls}"
     text = " ".join(cmdline)
     for name in ("raylet", "gcs_server", "dashboard_agent", "runtime_env", "log_monitor",
@@ -166,9 +171,22 @@ class ProcSample:
     create_time: float
 
 
+def run_processes(marker: str) -> list[psutil.Process]:
+    """The processes of the run: those carrying ``marker`` and their descendants. Ray's
+    DashboardAgent (a child of the raylet) reads without the marker in /proc/<pid>/environ
+    while it runs; without the descendants it would be missed, alive or orphaned."""
+    found: dict[int, psutil.Process] = {}
+    for proc in marked(marker):
+        found[proc.pid] = proc
+        with contextlib.suppress(psutil.Error):
+            for child in proc.children(recursive=True):
+                found.setdefault(child.pid, child)
+    return list(found.values())
+
+
 def sample_processes(marker: str, driver_pid: int | None) -> list[ProcSample]:
     out = []
-    for proc in marked(marker):
+    for proc in run_processes(marker):
         try:
             with proc.oneshot():
                 cmdline = proc.cmdline()
@@ -442,6 +460,7 @@ class Soak:
     def kill_driver(self) -> dict[str, Any]:
         """SIGKILL the driver; wait for its Ray cluster to end (then end what is left)."""
         assert self.driver is not None
+        cluster = run_processes(self.marker)
         os.kill(self.driver.pid, signal.SIGKILL)
         self.exit_codes.append(self.driver.wait())
         t0 = time.monotonic()
@@ -451,7 +470,15 @@ class Soak:
         if left:
             self.notes.append(f"{len(left)} process(es) of the killed driver's Ray outlived "
                               f"it by {ORPHAN_GRACE_S:.0f} s (killed): {left}")
-        return {"cluster_gone_s": round(time.monotonic() - t0, 1), "orphans": left}
+        # What is left of its descendants (Ray's DashboardAgent, seen to linger ~2 min with
+        # the init process as parent) is given a few seconds more, then ended by the harness:
+        # "orphans" in the restart's row.
+        deadline = time.monotonic() + UNMARKED_GRACE_S
+        while any(_running(p) for p in cluster) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        gone_s = round(time.monotonic() - t0, 1)
+        orphans = end_processes(cluster)
+        return {"cluster_gone_s": gone_s, "orphans": left + orphans}
 
     def restart(self, status: StatusWatch, at: float) -> dict[str, Any]:
         """Kill -9 the driver, rerun it, time its way back to work."""
@@ -593,12 +620,36 @@ def _drive(run: Soak, status: StatusWatch, size: Size, progress: bool) -> None:
     run.drain()
 
 
+def _running(proc: psutil.Process) -> bool:
+    """``proc`` (the very process: pid and start time) still runs."""
+    with contextlib.suppress(psutil.Error):
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    return False
+
+
+def end_processes(procs: list[psutil.Process]) -> list[str]:
+    """SIGKILL those of ``procs`` still running (``is_running`` checks the start time too,
+    so a reused pid is left alone); what was killed ("pid name")."""
+    killed = []
+    for proc in procs:
+        if _running(proc):
+            with contextlib.suppress(psutil.Error):
+                name = f"{proc.pid} {proc.name()}"
+                proc.kill()
+                killed.append(name)
+    return killed
+
+
 def _end_run(run: Soak) -> None:
+    cluster = run_processes(run.marker)
     if run.driver is not None and run.driver.poll() is None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(run.driver.pid, signal.SIGKILL)
         run.driver.wait()
-    left = end_marked(run.marker, grace_s=15.0)
+    deadline = time.monotonic() + 15.0
+    while any(_running(p) for p in cluster) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = end_marked(run.marker, grace_s=15.0) + end_processes(cluster)
     if left:
         run.notes.append(f"processes of the run outlived its driver (killed): {left}")
 
@@ -666,11 +717,12 @@ def print_table(result: dict[str, Any]) -> None:
     console.print(table)
     restarts = Table(title="restart: kill -9 the driver, rerun; seconds from the rerun's start")
     for column in ("at", "episodes recorded", "results.jsonl MB", "cluster gone s",
-                   "/status s", "first step s", "first episode s", "load"):
+                   "orphans", "/status s", "first step s", "first episode s", "load"):
         restarts.add_column(column, justify="right")
     for r in result.get("restarts") or []:
         restarts.add_row(f"{r['at']:.0%}", f"{r['episodes_recorded']:,}",
                          str(r["results_jsonl_mb"]), str(r["cluster_gone_s"]),
+                         " ".join(o.split(" ", 1)[-1] for o in r["orphans"]) or "0",
                          str(r["status_s"]), str(r["first_step_s"]),
                          str(r["first_episode_s"]), str(r["load"]))
     console.print(restarts)
