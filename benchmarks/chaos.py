@@ -23,6 +23,8 @@ a loopback gate (``benchmarks/chaos_proxy.py``) that refuses connections while i
     desktop_hangs          a desktop frozen mid-/execute of an action, then thawed
     storage_killed         the run's StorageActor process SIGKILLed -> stop, rerun
     disk_full              the run dir's own tmpfs filled -> stop, space freed, rerun
+    retention_disk_full    the same, while storage.retention's sweeper removes every episode's
+                           images each second: none missing without its marker
     driver_killed          run.py SIGKILLed -> rerun
     runner_killed          a TrajectoryRunner actor's process SIGKILLed
     second_driver          a second run.py on the same run dir while the first runs
@@ -108,10 +110,13 @@ from cua_rollout.core.layout import (  # noqa: E402
     METRICS_FILE,
     OSWORLD_RESULT_FILE,
     RESULTS_FILE,
+    RETENTION_MARKER_FILE,
+    RETENTION_STATE_FILE,
     RUN_FILE,
     SUPERSEDED_RESULTS_FILE,
     TRAJ_FILE,
 )
+from cua_rollout.core.retention import read_marker  # noqa: E402
 from cua_rollout.model.fleet.state import ENDPOINTS_FILE  # noqa: E402
 from tests.doubles.disk import fill  # noqa: E402
 from tests.support.hosts import Hosts, Processes, ray_env, sh, start_ray, wait_for  # noqa: E402
@@ -120,7 +125,8 @@ __all__ = ["COUNTS", "FULL", "QUICK", "SCENARIOS", "Size", "count", "main", "rec
 
 SCENARIOS = ("model_down", "replica_killed", "single_replica_reload", "desktops_killed",
              "desktop_hangs", "storage_killed", "disk_full", "driver_killed", "runner_killed",
-             "second_driver", "slow_endpoint", "network_cut", "node_lost", "postgres_restart")
+             "second_driver", "slow_endpoint", "network_cut", "node_lost", "postgres_restart",
+             "retention_disk_full")
 # Scenarios on hosts of their own (network namespaces: root, ip, nsenter, iptables).
 NET_SCENARIOS = ("network_cut", "node_lost")
 SLOW_FACTOR = 10.0                 # slow_endpoint: answers this many times slower
@@ -685,6 +691,8 @@ def tasks_for(name: str, size: Size) -> int:
         return size.tasks + round(2 * size.slow_s) + 20
     if name == "postgres_restart":  # episodes recorded while the index is down, and after
         return size.tasks + round(2 * size.db_down_s) + 10
+    if name == "retention_disk_full":  # sweeps (a second apart) under way when it fills
+        return size.tasks + 30
     if name in ("network_cut", "node_lost"):  # work left when the network is back
         return size.tasks + 10
     return size.tasks
@@ -956,6 +964,44 @@ def disk_full(ctx: Ctx) -> None:
     _rerun(ctx)
 
 
+def retention_disk_full(ctx: Ctx) -> None:
+    """disk_full while the retention sweeper (``storage.retention``: every episode's images
+    removed once its line is written, a sweep a second) removes images:
+    the disk fills mid-sweep; the run stops cleanly, and after the space is freed the rerun
+    completes and the sweeper goes on. Counted besides: episodes whose images went (each
+    must have its marker: a screenshot named by traj.jsonl and missing without one is a
+    misrecord), and the sweep errors the full disk caused."""
+    proc = _midrun(ctx, episodes=4)
+    if proc is None:
+        return
+    if not ctx.run.until(lambda: _markers(ctx.run.run_dir) > 0, "a sweep removed images"):
+        ctx.run.wait(proc, 5)
+        return
+    filler = fill(ctx.run.run_dir.parent)
+    ctx.run.facts["filler_mb"] = round(filler.stat().st_size / 2**20, 1)
+    ctx.run.facts["removed_at_fault"] = _markers(ctx.run.run_dir)
+    _expect_stop(ctx, proc, "No space left on device")
+    state = _retention_state(ctx.run.run_dir)
+    said = "".join(log.read_text(errors="replace") for log in ctx.run.logs if log.exists())
+    ctx.run.facts["sweep_errors_logged"] = "the retention sweep failed" in said
+    filler.unlink()
+    _rerun(ctx)
+    ctx.run.facts["removed_at_end"] = _markers(ctx.run.run_dir)
+    ctx.run.facts["retention_state_readable"] = state is not None
+
+
+def _markers(run_dir: Path) -> int:
+    return sum(1 for _ in run_dir.glob(f"*/*/*/{RETENTION_MARKER_FILE}"))
+
+
+def _retention_state(run_dir: Path) -> dict[str, Any] | None:
+    try:
+        state = json.loads((run_dir / RETENTION_STATE_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return state if isinstance(state, dict) else None
+
+
 def driver_killed(ctx: Ctx) -> None:
     """run.py SIGKILLed mid-run; its Ray cluster must go with it (Ray fate-shares the
     processes a driver starts); the rerun completes the run."""
@@ -1167,10 +1213,8 @@ SCENARIO_FUNCS: dict[str, Callable[[Ctx], None]] = {
     "driver_killed": driver_killed, "runner_killed": runner_killed,
     "second_driver": second_driver, "slow_endpoint": slow_endpoint,
     "network_cut": network_cut, "node_lost": node_lost, "postgres_restart": postgres_restart,
+    "retention_disk_full": retention_disk_full,
 }
-# A later scenario, the disk filling during a retention sweep (issue 34, item 5), needs
-# storage.retention: a small filesystem as disk_full's (small_filesystem), a run with
-# retention on and a trainer acking groups, filled while a sweep deletes.
 
 
 # --------------------------------------------------------------------------- counting
@@ -1201,10 +1245,12 @@ def _misrecorded(run_dir: Path, record: dict[str, Any]) -> str | None:
         return f"{TRAJ_FILE}: {len(steps)} lines ({broken} broken) for {record.get('steps')} steps"
     if steps and float(steps[-1].get("reward") or 0.0) != reward:
         return f"{TRAJ_FILE}: last line's reward differs from {reward}"
+    marker = read_marker(directory)  # images storage.retention removed (or re-encoded)
+    gone = set(marker.removed) | set(marker.reencoded) if marker is not None else set()
     for step in steps:
         for key in ("screenshot_file", "observation_file"):
             name = step.get(key)
-            if name and not (directory / name).is_file():
+            if name and not (directory / name).is_file() and name not in gone:
                 return f"{name} (named by {TRAJ_FILE}) missing"
     return None
 
@@ -1314,8 +1360,11 @@ def run_scenario(name: str, size: Size, keep: bool = False) -> dict[str, Any]:
                 fleet = Fleet(1 if name == "single_replica_reload" else 2, work / "fleet")
             stack.callback(fleet.stop)
             run_root = work / "results"
-            if name == "disk_full":
+            if name in ("disk_full", "retention_disk_full"):
                 run_root = stack.enter_context(small_filesystem(work / "fs", 16 * 2**20))
+            if name == "retention_disk_full":
+                overrides["storage"] = {"index": False, "retention": {
+                    "images": "sample", "sample_fraction": 0.0, "sweep_interval_s": 1}}
             config = make_config(name, size, work, run_root, desktops, fleet, overrides)
             run = Run(work, run_root / name, config, size, marker)
             if name == "node_lost":

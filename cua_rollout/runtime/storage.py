@@ -351,8 +351,9 @@ class StorageActor:
         if not self.cfg.retention.active or self._retention_task is not None:
             return
         feed = self.index_feed
+        # Without an index an episode is released by its results line (no acks to wait for).
         self.retention = RetentionSweeper(self.run_dir, self.cfg.retention, fsync=self.cfg.fsync,
-                                          index=lambda: feed.index,
+                                          index=(lambda: feed.index) if self.cfg.index else None,
                                           run_name=lambda: feed.run_name)
         self._retention_task = asyncio.create_task(self.retention.run())
 

@@ -402,3 +402,28 @@ def test_the_viewer_and_show_result_say_the_images_were_removed_by_policy(tmp, c
     out = capsys.readouterr().out
     assert "images removed by retention policy failures at" in out
     assert "2 episode(s) without images, 2 re-encoded (webp)" in out
+
+
+async def test_a_storage_without_an_index_releases_each_episode_by_its_line(tmp):
+    """storage.index off: an episode is released once its results line is written (no acks
+    to wait for), and the storage's own sweeper removes its images (the chaos run's
+    retention_disk_full found a storage that waited for an index it never opens)."""
+    cfg = StorageConfig(index=False, retention={"images": "sample", "sample_fraction": 0.0,
+                                                "sweep_interval_s": 3600})
+    storage = StorageActor(tmp / "run", cfg)
+    await storage.start_run({"run": RUN})
+    assert storage.retention is not None
+    rec = record("t0", 0)
+    eid = rec["episode_id"]
+    await storage.begin_episode(eid, 0, {"id": "t0"})
+    for n in range(STEPS + 1):
+        line = {"step_num": n, "screenshot_file": f"step_{n}.png"} if n else None
+        await storage.write_step(eid, 0, line, f"step_{n}.png", png(n, BIG))
+    assert await storage.finish_episode(eid, 0, rec) is None
+    await storage.record_result(rec)
+    stats = await asyncio.to_thread(storage.retention.sweep)
+    await storage.close()
+    marker = read_marker(tmp / "run" / eid)
+    assert stats["episodes_removed"] == 1 and marker is not None
+    assert not list((tmp / "run" / eid).glob("*.png"))
+    assert sorted(marker.removed) == [f"step_{n}.png" for n in range(STEPS + 1)]

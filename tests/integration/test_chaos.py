@@ -1,7 +1,7 @@
 """The chaos run (benchmarks/chaos.py --quick): every fault of issues 12 and 34 injected into a
 real run (run.py, Ray, runners, storage, coordinator, model client, simulated desktops and
 replicas; a slow replica, the desktops' network cut, a Ray worker node lost, the index's
-PostgreSQL restarted), and every count zero; the behaviour each fault calls for (a stop is exit
+PostgreSQL restarted, the disk filled while retention sweeps), and every count zero; the behaviour each fault calls for (a stop is exit
 1 with one line, a second driver is refused at once, a killed driver's Ray goes with it, the
 slow replica serves fewer requests, the lost node's runners are replaced, the index catches
 up); and the harness itself: the counting on a run directory that lies, and the fault proxy
@@ -226,7 +226,9 @@ def test_each_fault_is_met_as_the_service_promises(chaos: list[dict[str, Any]]):
     assert rows["postgres_restart"]["index_behind"] == 0, pg
     # Episodes were recorded while the index was down, and its writes failed meanwhile.
     assert pg["recorded_while_down"] > 0 and pg["index_failure_logged"], pg
-    for name in ("storage_killed", "disk_full"):
+    for name in ("storage_killed", "disk_full", "retention_disk_full"):
         assert rows[name]["exit_codes"] == [1, 0], (name, rows[name]["exit_codes"])
+    swept = facts["retention_disk_full"]  # the disk filled while images were being removed
+    assert swept["removed_at_fault"] > 0 and swept["removed_at_end"] >= swept["removed_at_fault"]
     notes = {name: r["notes"] for name, r in rows.items() if r.get("notes")}
     assert not notes, json.dumps(notes, indent=1)[:4000]
