@@ -1,11 +1,12 @@
 """The chaos run (benchmarks/chaos.py --quick): every fault of issues 12 and 34 injected into a
 real run (run.py, Ray, runners, storage, coordinator, model client, simulated desktops and
 replicas; a slow replica, the desktops' network cut, a Ray worker node lost, the index's
-PostgreSQL restarted, the disk filled while retention sweeps), and every count zero; the behaviour each fault calls for (a stop is exit
-1 with one line, a second driver is refused at once, a killed driver's Ray goes with it, the
-slow replica serves fewer requests, the lost node's runners are replaced, the index catches
-up); and the harness itself: the counting on a run directory that lies, and the fault proxy
-it injects through (refusing, freezing, slowing)."""
+PostgreSQL restarted, the disk filled while retention sweeps), and every count zero; the
+behaviour each fault calls for (a stop is exit 1 with one line, a second driver is refused at
+once, a killed driver's Ray goes with it, the slow replica serves fewer requests, the lost
+node's runners are replaced, the index catches up, images go only with their marker); and the
+harness itself: the counting on a run directory that lies, and the fault proxy it injects
+through (refusing, freezing, slowing)."""
 
 from __future__ import annotations
 
