@@ -141,8 +141,9 @@ def test_llm_judgement_asks_the_judge_endpoint_with_its_key(tmp, monkeypatch):
     config = tmp / "judged.yaml"
     config.write_text(json.dumps({
         "run": {"name": "judged"},
+        # No stand-in pass for j-garbage's failed group (an infra error): one judgement each.
         "tasks": {"benchmarks": [{"source": str(bench), "mode": "math",
-                                  "metric": "llm_judgement"}]},
+                                  "metric": "llm_judgement"}], "failed_group_reruns": 0},
         "model": {"scripted": True},
         "coordinator": {"max_concurrent_episodes": 3, "episodes_per_runner": 3,
                         "max_retries": 0},
