@@ -89,7 +89,7 @@ from cua_rollout.core.layout import (  # noqa: E402
     STATUS_URL_FILE,
 )
 
-__all__ = ["FIGURES", "QUICK_EPISODES", "SAMPLES", "Size", "group_of", "main", "soak"]
+__all__ = ["FIGURES", "QUICK_EPISODES", "SAMPLES", "Size", "dist", "group_of", "main", "soak"]
 
 SAMPLES = 20                       # a sample every N/20 episodes
 RESTARTS_AT = (0.1, 0.5, 1.0)      # kill -9 the driver at these fractions of N, rerun
@@ -439,8 +439,8 @@ class Soak:
                                  for g, v in cpu_by_group.items()}
                                 | {"total": round(1000 * sum(cpu_by_group.values()) / d_steps,
                                                   3)}) if d_steps > 0 else None,
-            "poll_s": _dist(polls),
-            "pass_s": _dist(passes),
+            "poll_s": dist(polls),
+            "pass_s": dist(passes),
             "disk_mb": {"run_dir": round(run_bytes / 2**20, 2),
                         "run_dir_kb_per_episode": round(run_bytes / 1024 / max(done, 1), 2),
                         "run_dir_files": run_files,
@@ -529,7 +529,7 @@ class Soak:
         return code
 
 
-def _dist(values: list[float]) -> dict[str, float] | None:
+def dist(values: list[float]) -> dict[str, float] | None:
     if not values:
         return None
     ordered = sorted(values)

@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks.soak import GROUPS, RESTARTS_AT, SAMPLES, _dist, group_of, rows, tree_bytes
+from benchmarks.soak import GROUPS, RESTARTS_AT, SAMPLES, dist, group_of, rows, tree_bytes
 from tests.support import REPO_ROOT
 
 # ------------------------------------------------------------------ the pieces
@@ -35,10 +35,10 @@ def test_processes_are_grouped_by_their_ray_title():
 
 
 def test_distributions_and_disk_bytes(tmp_path: Path):
-    d = _dist([0.5, 0.1, 0.2, 0.3] + [0.05] * 16)
+    d = dist([0.5, 0.1, 0.2, 0.3] + [0.05] * 16)
     assert d is not None and d["n"] == 20 and d["max"] == 0.5 and d["p50"] == 0.05
     assert d["p95"] == 0.3
-    assert _dist([]) is None
+    assert dist([]) is None
     (tmp_path / "a").mkdir()
     (tmp_path / "a" / "f").write_bytes(b"x" * 10_000)
     (tmp_path / "g").write_bytes(b"y")
