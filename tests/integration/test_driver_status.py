@@ -3,7 +3,6 @@ scripted policy) in service mode, queried while it runs."""
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -16,21 +15,11 @@ from typing import Any
 import pytest
 
 from cua_rollout.core.layout import STATUS_URL_FILE
-from tests.support import REPO_ROOT, run_py_command
+from tests.support import REPO_ROOT, get_json, run_py_command
 
 DEMO = REPO_ROOT / "configs" / "demo.yaml"
 RUN_TIMEOUT_S = 420
 TOKEN = "status-test-token"
-
-
-def _get(url: str, token: str | None = None) -> tuple[int, dict[str, Any]]:
-    headers = {"Authorization": f"Bearer {token}"} if token else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=10) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
 
 
 @pytest.mark.integration
@@ -61,7 +50,7 @@ def test_a_running_service_answers_healthz_and_status(tmp: Path) -> None:
             time.sleep(0.5)
             if (run_dir / STATUS_URL_FILE).exists():
                 url = (run_dir / STATUS_URL_FILE).read_text().strip()
-                code, body = _get(url + "/status", TOKEN)
+                code, body = get_json(url + "/status", TOKEN)
                 assert code == 200, body
         assert url.startswith("http://127.0.0.1:")
         assert body["run"] == "demo" and body["status"] == "running"
@@ -72,10 +61,10 @@ def test_a_running_service_answers_healthz_and_status(tmp: Path) -> None:
         assert set(body["desktops"]) >= {"free", "leased"}
         assert body["runners"]["alive"] >= 1
         assert body["healthy"] == {"ok": True, "reason": None}
-        assert _get(url + "/healthz") == (200, {"ok": True})
-        code, denied = _get(url + "/status")
+        assert get_json(url + "/healthz") == (200, {"ok": True})
+        code, denied = get_json(url + "/status")
         assert code == 401 and "status_token_env" in denied["error"]
-        assert _get(url + "/status", "not-the-token")[0] == 401
+        assert get_json(url + "/status", "not-the-token")[0] == 401
         proc.send_signal(signal.SIGINT)
         _, stderr = proc.communicate(timeout=RUN_TIMEOUT_S)
         assert proc.returncode == 130, stderr[-3000:]

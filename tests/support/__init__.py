@@ -165,6 +165,22 @@ def slow_scripted_policy(config: str | os.PathLike[str], sets: list[str], latenc
         yield ["model.scripted=false", f"model.endpoints={json.dumps([server.url])}"]
 
 
+def get_json(url: str, token: str | None = None) -> tuple[int, Any]:
+    """GET ``url`` (with ``token`` as a bearer token): the status and the JSON body, for an
+    error status too."""
+    import json
+    import urllib.error
+    import urllib.request
+
+    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
+                                    timeout=10) as reply:
+            return reply.status, json.loads(reply.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
 def run_results(run_dir: Path) -> list[dict[str, Any]]:
     """The records of a run's results.jsonl."""
     import json

@@ -3,9 +3,6 @@
 
 from __future__ import annotations
 
-import json
-import urllib.error
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +13,7 @@ from cua_rollout.core.errors import ConfigError, FatalSetupError
 from cua_rollout.core.layout import STATUS_URL_FILE
 from cua_rollout.runtime.status import StallWatch, StatusBoard, StatusServer, serve_status
 from cua_rollout.runtime.status_probe import probe
+from tests.support import get_json
 
 STALL_S = 900.0
 LOOP_LATE_S = 210.0
@@ -163,16 +161,6 @@ def test_the_snapshot_is_replaced_not_changed() -> None:
 
 # --------------------------------------------------------------------------- the server
 
-def get(url: str, token: str | None = None) -> tuple[int, dict[str, Any]]:
-    headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
-    try:
-        with urllib.request.urlopen(urllib.request.Request(url, headers=headers),
-                                    timeout=10) as reply:
-            return reply.status, json.loads(reply.read())
-    except urllib.error.HTTPError as exc:
-        return exc.code, json.loads(exc.read())
-
-
 @pytest.fixture
 def served() -> Any:
     clock = Clock()
@@ -184,26 +172,26 @@ def served() -> Any:
 def test_healthz_answers_ok_then_each_reason_with_503(served: Any) -> None:
     clock, b, url = served
     publish(b, steps=1)
-    assert get(url + "/healthz") == (200, {"ok": True})
+    assert get_json(url + "/healthz") == (200, {"ok": True})
     clock.t += STALL_S
     publish(b, steps=1)
-    assert get(url + "/healthz") == (503, {"ok": False,
+    assert get_json(url + "/healthz") == (503, {"ok": False,
                                            "reason": "stalled: no progress for 900 s"})
     clock.t += LOOP_LATE_S
-    assert get(url + "/healthz") == (
+    assert get_json(url + "/healthz") == (
         503, {"ok": False, "reason": f"driver loop not iterating for {LOOP_LATE_S:.0f} s"})
     publish(b, status="stopping", fatal="the results disk is full")
-    assert get(url + "/healthz") == (503, {"ok": False,
+    assert get_json(url + "/healthz") == (503, {"ok": False,
                                            "reason": "stopping: the results disk is full"})
 
 
 def test_status_needs_the_token(served: Any) -> None:
     _, b, url = served
     publish(b)
-    code, body = get(url + "/status")
+    code, body = get_json(url + "/status")
     assert code == 401 and "monitoring.status_token_env" in body["error"]
-    assert get(url + "/status", token="wrong")[0] == 401
-    assert get(url + "/status", token="s3cret")[0] == 200
+    assert get_json(url + "/status", token="wrong")[0] == 401
+    assert get_json(url + "/status", token="s3cret")[0] == 200
 
 
 def test_status_says_what_the_run_does(served: Any) -> None:
@@ -211,7 +199,7 @@ def test_status_says_what_the_run_does(served: Any) -> None:
     publish(b, steps=7)
     clock.t += 3
     publish(b, done=2, steps=9, status="draining", waiting=None)
-    code, body = get(url + "/status", token="s3cret")
+    code, body = get_json(url + "/status", token="s3cret")
     assert code == 200
     assert body["run"] == "demo" and body["status"] == "draining"
     assert body["episodes"] == {"done": 7, "done_this_start": 2, "done_before": 5,
@@ -234,7 +222,7 @@ def test_status_without_a_token_configured_is_open() -> None:
     b = board(Clock())
     publish(b)
     with StatusServer(b, None, "127.0.0.1", 0) as server:
-        assert get(server.url + "/status")[0] == 200
+        assert get_json(server.url + "/status")[0] == 200
 
 
 def test_serve_status_writes_its_url_and_a_taken_port_is_a_clear_error(
@@ -243,7 +231,7 @@ def test_serve_status_writes_its_url_and_a_taken_port_is_a_clear_error(
     server = serve_status(b, "127.0.0.1", None, tmp_path)
     try:
         url = (tmp_path / STATUS_URL_FILE).read_text().strip()
-        assert url == server.url and get(url + "/healthz")[0] == 200
+        assert url == server.url and get_json(url + "/healthz")[0] == 200
         with pytest.raises(FatalSetupError, match=r"monitoring.status_address.*cannot listen"):
             serve_status(b, f"127.0.0.1:{server.port}", None, tmp_path)
     finally:
