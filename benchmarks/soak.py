@@ -93,7 +93,7 @@ __all__ = ["FIGURES", "QUICK_EPISODES", "SAMPLES", "Size", "dist", "group_of", "
 
 SAMPLES = 20                       # a sample every N/20 episodes
 RESTARTS_AT = (0.1, 0.5, 1.0)      # kill -9 the driver at these fractions of N, rerun
-QUICK_EPISODES = 4000
+QUICK_EPISODES = 1500               # CI-sized: three restarts and 20 samples, ~1 min of load
 FULL_EPISODES = 100_000
 STATUS_EVERY_S = 0.2               # /status read this often (the loop passes every >= 0.5 s)
 LOOP_SLEEP_S = 0.5                 # runtime/driver.py's _POLL_INTERVAL_S
@@ -749,7 +749,7 @@ def _fmt(v: Any) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK_EPISODES:,} episodes (CI-sized, ~3 min)")
+                        help=f"{QUICK_EPISODES:,} episodes (CI-sized, ~1.5 min)")
     parser.add_argument("--episodes", type=int,
                         help=f"episodes to run (default {FULL_EPISODES:,})")
     parser.add_argument("--json", type=Path, help="write every figure here")
