@@ -38,6 +38,7 @@ from cua_rollout.desktop.protocol import (
     FILE_DATA_FIELD,
     FILE_PATH_FIELD,
     CommandRequest,
+    LeaseTokenRequest,
     OpenFileRequest,
     Paths,
     RunPythonRequest,
@@ -252,6 +253,13 @@ class RemoteDesktopEnv:
         except DesktopError:
             return False
         return True
+
+    async def set_lease_token(self, token: str | None) -> None:
+        """``/lease_token``: accept ``token`` as a second bearer token until it is cleared
+        (None); needs the desktop's own token (``desktops.token_env``)."""
+        await self._request("POST", Paths.LEASE_TOKEN,
+                            json_body=LeaseTokenRequest(token=token).model_dump(),
+                            idempotent=True, retries=1)
 
     # ----------------------------------------------------------------- setup calls
 
