@@ -246,9 +246,11 @@ class RemoteDesktopEnv:
                                f"{response.text[:100]!r}") from exc
 
     async def health(self) -> bool:
-        """True when the desktop answers ``/screen_size`` quickly."""
+        """True when the desktop answers ``/screen_size`` quickly. Asked twice: a pooled
+        connection the server closed as idle (uvicorn's keep-alive is 5 s, the pool's idle
+        checks come every 5 s) fails the first ask without the desktop being unwell."""
         try:
-            await self._request("POST", Paths.SCREEN_SIZE, idempotent=True, retries=0,
+            await self._request("POST", Paths.SCREEN_SIZE, idempotent=True, retries=1,
                                 timeout_s=min(_HEALTH_TIMEOUT_S, self.cfg.request_timeout_s))
         except DesktopError:
             return False

@@ -11,8 +11,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import signal
 import sys
+from typing import Any
 
 from cua_rollout.config import Config, load_config
 from cua_rollout.core.errors import ConfigError, RolloutError
@@ -69,6 +72,12 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
         server = uvicorn.Server(uvicorn.Config(
             app, host=cfg.service.host, port=cfg.service.port, log_level="warning",
             lifespan="off", timeout_graceful_shutdown=5, interface="asgi3"))
+        # uvicorn's own handlers raise the signal again once it stops serving, which would
+        # end the process before the leases and desktops are stopped: ours only stop it.
+        server.capture_signals = contextlib.nullcontext  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, _stop_serving, server, signum)
         serving = asyncio.create_task(server.serve())
         while not server.started and not serving.done():
             await asyncio.sleep(0.05)
@@ -88,6 +97,13 @@ async def serve(cfg: Config, *, ready: asyncio.Event | None = None) -> None:
         await service.stop()
         await relay.close()
         await pool.stop()
+
+
+def _stop_serving(server: Any, signum: int) -> None:
+    if server.should_exit:  # a second signal: stop now, without the graceful wait
+        server.force_exit = True
+    log.info("%s: stopping", signal.Signals(signum).name)
+    server.should_exit = True
 
 
 def main(argv: list[str] | None = None) -> int:
