@@ -108,18 +108,13 @@ class DesktopService:
         wait_s = min(self.scfg.default_wait_s if request.wait_s is None else request.wait_s,
                      self.scfg.max_wait_s)
         started = time.monotonic()
-        try:
-            await tenant.quota.acquire(wait_s, _RETRY_AFTER_S)
-        except Refusal as refusal:
-            self.metrics.refusals.labels(refusal.code).inc()
-            raise
+        await tenant.quota.acquire(wait_s, _RETRY_AFTER_S)  # over_quota: counted at the edge
         env_id = self.table.new_id()
         try:
             remaining = max(0.0, wait_s - (time.monotonic() - started))
             pool_lease = await self.pool.lease(env_id, remaining)
         except DesktopUnavailable as exc:
             tenant.quota.release()
-            self.metrics.refusals.labels("no_desktop").inc()
             raise Refusal("no_desktop", f"no desktop came free within {wait_s:g} s "
                           f"({one_line(exc)})", retry_after_s=_RETRY_AFTER_S) from exc
         except BaseException:
