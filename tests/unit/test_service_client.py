@@ -217,6 +217,13 @@ async def test_bad_input_is_a_4xx_with_the_reason_and_disturbs_nothing():
 
             async with s.post(url + "/v1/leases", data=chunks()) as r:
                 assert r.status == 413
+            # A relayed request the desktop does not answer, while it still answers its
+            # health check: that request's failure, the lease lives on.
+            relay_url = f"{url}/v1/leases/{mine.env_id}/desktop/screenshot"
+            async with s.get(relay_url, headers={"Authorization": "Bearer tok-b"}) as r:
+                assert r.status == 502 and (await r.json())["code"] == "relay_failed"
+            async with s.get(relay_url) as r:  # tok-a: another tenant's
+                assert r.status == 403
         # b's lease still works.
         assert (await b.act(mine.env_id, kind="special", code="WAIT")).step == 1
         assert (await b.release(mine.env_id)).released
