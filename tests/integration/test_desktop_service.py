@@ -188,6 +188,10 @@ async def test_two_tenants_lease_act_evaluate_release_within_their_quotas(tmp):
             async with aiohttp.ClientSession() as http:
                 async with http.get(lease.desktop_url + "/screenshot", headers=auth) as r:
                     assert r.status == 200 and (await r.read()).startswith(b"\x89PNG")
+                # A lease's token cannot install another (one that would outlive the lease).
+                async with http.post(lease.desktop_url + "/lease_token", headers=auth,
+                                     json={"token": "mine-forever"}) as r:
+                    assert r.status == 401
                 # The relay: the tenant's token in, the desktop's own token out.
                 relay = await b.lease(access="relay")
                 async with http.post(f"{service.url}{relay.desktop_url}/screen_size",
