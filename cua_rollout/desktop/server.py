@@ -42,6 +42,9 @@ the body here says what went wrong instead of an HTML page):
     /accessibility, /terminal
                             501 AT-SPI is not available (the reason in ``message``)
     every path              401 without ``Authorization: Bearer <token>`` when a token is set
+                            (the server's, or the lease token of ``/lease_token``)
+    /lease_token            401 but with the server's own token; 400 not {"token": str|null};
+                            409 the server has no token
 
 Deliberate differences: a command's answer does not wait for processes it left in the
 background (OSWorld waits until they close its output pipes); every child runs in a session of
@@ -83,7 +86,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cua_rollout.desktop.errors import RequestBodyError
 from cua_rollout.desktop.processes import WARM_ACTIONS_VAR
-from cua_rollout.desktop.protocol import ErrorReply, MessageReply
+from cua_rollout.desktop.protocol import ErrorReply, MessageReply, Paths
 from cua_rollout.desktop.routes import ROUTERS
 from cua_rollout.desktop.routes.common import body_error_reply, json_reply
 from cua_rollout.desktop.state import ServerSettings, open_state
@@ -96,7 +99,9 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 
 
 class _BearerAuth:
-    """Answers 401 to every request without ``Authorization: Bearer <token>``."""
+    """Answers 401 to every request without ``Authorization: Bearer <token>``: the server's
+    token, or the lease token its holder installed (``POST /lease_token``, which only the
+    server's own token reaches)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], token: str) -> None:
         self.app = app
@@ -109,15 +114,25 @@ class _BearerAuth:
                 if name == b"authorization":
                     got = value
                     break
-            if not hmac.compare_digest(got, self._expected):
-                response = JSONResponse(
-                    ErrorReply(error="missing or wrong bearer token").model_dump(),
-                    status_code=401,
-                    headers={"WWW-Authenticate": "Bearer"},
-                )
-                await response(scope, receive, send)
+            allowed = hmac.compare_digest(got, self._expected)
+            if not allowed and scope["path"] != Paths.LEASE_TOKEN:
+                state = getattr(scope["app"].state, "desktop", None)
+                lease = state.lease_token if state is not None else None
+                allowed = lease is not None and hmac.compare_digest(
+                    got, f"Bearer {lease}".encode())
+            if not allowed:
+                await _unauthorized(scope, receive, send)
                 return
         await self.app(scope, receive, send)
+
+
+async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:
+    response = JSONResponse(
+        ErrorReply(error="missing or wrong bearer token").model_dump(),
+        status_code=401,
+        headers={"WWW-Authenticate": "Bearer"},
+    )
+    await response(scope, receive, send)
 
 
 async def _crash_reply(request: Request, exc: Exception) -> Response:
