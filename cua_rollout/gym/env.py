@@ -390,6 +390,9 @@ class _LoopThread:
         self._thread.start()
 
     def run(self, coro: Coroutine[Any, Any, _T]) -> _T:
+        if self.loop.is_closed():
+            coro.close()
+            raise gymnasium.error.ClosedEnvironmentError("CuaDesktopEnv: the env is closed")
         future: Future[_T] = asyncio.run_coroutine_threadsafe(coro, self.loop)
         try:
             return future.result()
