@@ -62,8 +62,9 @@ ENV_ID = "cua_rollout/Desktop-v0"
 ACTION_KINDS = ("pyautogui", "uitars", "computer13")
 OBSERVE_KINDS = ("screenshot", "a11y_tree")
 _TERMINAL = ("DONE", "FAIL")
-# The longest action the service takes (ActRequest's code/reply limit).
-MAX_ACTION_CHARS = 200_000
+# The longest action: a desktop runs code as one ``python -c`` argument, which Linux limits
+# to 128 KiB (MAX_ARG_STRLEN); 30,000 characters stay under it even as 4-byte UTF-8.
+MAX_ACTION_CHARS = 30_000
 # The longest accessibility tree an observation may carry (OSWorld's trees of big
 # documents reach a few MB of text).
 MAX_A11Y_CHARS = 1 << 24

@@ -20,6 +20,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -32,6 +33,7 @@ from typing import Any
 
 import gymnasium
 import numpy as np
+import psutil
 import pytest
 from gymnasium.utils.env_checker import check_env
 
@@ -93,13 +95,16 @@ class Service:
         return found[0]
 
     def stop(self) -> None:
+        # SIGTERM to the service alone: it stops its desktops itself (the group would lose
+        # them before it could); the group is killed only if it does not end.
         if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            self.proc.send_signal(signal.SIGTERM)
             try:
-                self.proc.wait(timeout=60)
+                self.proc.wait(timeout=90)
             except subprocess.TimeoutExpired:
                 os.killpg(self.proc.pid, signal.SIGKILL)
                 self.proc.wait()
+        self.proc.stdout.close()  # type: ignore[union-attr]
         self.log.close()
 
 
@@ -113,9 +118,25 @@ def service() -> Iterator[Service]:
     finally:
         running.stop()
         os.environ.pop(TOKEN_ENV, None)
-        assert not list((tmp / "desktops").glob("*/session.json")), "desktops left running"
-        import shutil
+        left = _kill_left_desktops(tmp / "desktops")
         shutil.rmtree(tmp, ignore_errors=True)
+        assert not left, f"the service left desktops running: {left}"
+
+
+def _kill_left_desktops(state_dir: Path) -> list[str]:
+    """Desktops a stopped service left (their session.json): named, and their processes
+    (by pid and start time) killed so that nothing outlives the test."""
+    left = []
+    for session in state_dir.glob("*/session.json"):
+        left.append(session.parent.name)
+        for entry in json.loads(session.read_text()).get("processes", []):
+            try:
+                process = psutil.Process(entry["pid"])
+                if abs(process.create_time() - entry["create_time"]) < 1:
+                    process.kill()
+            except psutil.NoSuchProcess:
+                pass
+    return left
 
 
 def own_leases(service: Service) -> list[str]:
