@@ -2,10 +2,10 @@
 the desktop service, the model's UI-TARS replies as actions (the service parses them), the
 task's reward at the end.
 
-    cua-rollout desktops serve --config configs/service_demo.yaml &      # the service
-    python run_model.py serve --config configs/demo_vlm.yaml &           # a model (tiny VLM)
+    cua-rollout desktops serve --config service.yaml &    # docs/desktop_service.md
+    python run_model.py serve --config configs/demo_vlm.yaml &   # a model (the tiny VLM)
     CUA_SERVICE_TOKEN=... python docs/examples/gym_vlm_loop.py \\
-        --service http://127.0.0.1:8700 --model-url http://127.0.0.1:8150 --model tiny-vlm \\
+        --service http://127.0.0.1:8790 --model-url http://127.0.0.1:8150 --model tiny-vlm \\
         --task tasks/demo/examples/terminal/terminal-hello-file.json
 
 Prints one line per step and the episode's reward; ``run_episode`` returns them for a
