@@ -1,15 +1,25 @@
-"""What the desktop service itself costs: lease latency at 1, 8 and 32 concurrent clients,
-and the service process's CPU per lease (+ release), per action step (the action, then a
-1280x720 screenshot returned as base64) and per relayed screenshot.
+"""The desktop service under load (issue 35): lease latency at 1, 8 and 32 concurrent
+clients, and the service's CPU per lease and per step it relays.
 
-    python benchmarks/bench_desktop_service.py [--leases 200] [--steps 200] [--json]
+    python benchmarks/bench_desktop_service.py [--quick] [--clients 1,8,32] [--json OUT]
 
-The service runs in a process of its own (``--serve``: the real app under uvicorn, the real
-``DesktopPool``, tenants and lease table) over fake desktops (``tests/doubles``: no Xvfb,
-resets take no time), so the figures are the service's share, not a desktop's; relayed
-requests go to a fake desktop server in this process. The clients are
-``DesktopServiceClient``s in this process; CPU is the service process's (psutil) over each
-phase.
+The service (``python -m cua_rollout.service``, a process of its own, measured by pid) lends
+simulated desktops (``benchmarks/sim_world.py``, ``provider: static``, in processes of their
+own so their CPU is not counted) to ``C`` concurrent clients (``DesktopServiceClient``, in
+this process). For each ``C``:
+
+- **leases**: each client leases a desktop with no task (the reply carries the first
+  screenshot), then releases it, ``--leases`` times. Lease latency is the lease call's
+  wall time at the client; the service's CPU per lease covers the lease, its screenshot, the
+  release and the reset the pool starts.
+- **steps**: each client holds one lease and acts ``--steps`` times (``pyautogui`` code, no
+  pause, the next screenshot in the reply), then fetches the screenshot through the relay
+  (``GET .../screenshot``) as often. The service's CPU per step covers one act with its
+  observation plus one relayed screenshot; the bytes relayed are counted.
+
+There are ``2 x max(C) + 4`` desktops with a 50 ms reset, so a released desktop is back
+before it is needed: the latency is the service's, not a wait for a reset (the table says
+when a lease waited). Nothing is asserted; the figures are printed (and written to --json).
 """
 
 from __future__ import annotations
@@ -18,203 +28,232 @@ import argparse
 import asyncio
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+import psutil
+import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-_TOKEN = "bench-token"
-_DESKTOPS = 40
-_SIZE = (1280, 720)
+from benchmarks.sim_world import DesktopSim, Latency, SimWorld  # noqa: E402
+from cua_rollout.envs.service_client import DesktopServiceClient  # noqa: E402
+
+__all__ = ["main", "measure"]
+
+TOKEN_ENV = "CUA_BENCH_SERVICE_TOKEN"
+STEP_CODE = "pyautogui.moveTo(100, 100)"
+START_TIMEOUT_S = 120.0
 
 
-def _png() -> bytes:
-    from benchmarks.sim_world import make_screenshot
-
-    return make_screenshot(1, *_SIZE)
-
-
-async def _serve(desktop_url: str) -> None:
-    """The child: the service over fake desktops, until stdin closes."""
-    import uvicorn
-
-    from cua_rollout.config import Config
-    from cua_rollout.core.screenshot import Screenshot
-    from cua_rollout.envs.contract import DesktopAddress
-    from cua_rollout.runtime.pool import DesktopPool
-    from cua_rollout.service.app import create_app
-    from cua_rollout.service.core import DesktopService
-    from cua_rollout.service.relay import Relay
-    from cua_rollout.service.serve import service_pool_config
-    from cua_rollout.service.tenants import AddressAllowList, Tenant, Tenants
-    from tests.doubles.fake_desktop import FakeDesktop, FakeProvider
-
-    png = _png()
-
-    class Desktop(FakeDesktop):
-        async def observe(self) -> Screenshot:
-            return Screenshot(png)
-
-        async def health(self) -> bool:
-            return True
-
-        def address(self) -> DesktopAddress:
-            return DesktopAddress(desktop_url)
-
-    class Evaluator:
-        async def close(self) -> None:
-            pass
-
-    cfg = service_pool_config(Config.model_validate({
-        "desktops": {"count": _DESKTOPS, "warm_spares": 0},
-        "service": {"tenants": [{"name": "t", "token_env": "UNUSED",
-                                 "max_leases": _DESKTOPS}],
-                    "default_access": "relay", "action_pause_s": 0}}))
-    provider = FakeProvider(desktop_factory=lambda _: Desktop(size=_SIZE))
-    pool = DesktopPool(cfg.desktops, provider)
-    await pool.start()
-    service = DesktopService(cfg, pool, Tenants([Tenant("t", _TOKEN, _DESKTOPS)]),
-                             evaluator=Evaluator(),  # type: ignore[arg-type]
-                             env_factory=provider.env_factory)
-    await service.start()
-    relay = Relay(service.metrics, 30)
-    server = uvicorn.Server(uvicorn.Config(create_app(service, AddressAllowList([]), relay),
-                                           host="127.0.0.1", port=0, log_level="error",
-                                           lifespan="off", interface="asgi3"))
-    serving = asyncio.create_task(server.serve())
-    while not server.started:
-        await asyncio.sleep(0.01)
-    print(f"http://127.0.0.1:{server.servers[0].sockets[0].getsockname()[1]}", flush=True)
-    await asyncio.to_thread(sys.stdin.read)  # the parent closes it when done
-    server.should_exit = True
-    await serving
-    await service.stop()
-    await relay.close()
-    await pool.stop()
+def _pct(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-def _desktop_app(png: bytes) -> Any:
-    async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
-        assert scope["type"] == "http"
-        await send({"type": "http.response.start", "status": 200,
-                    "headers": [(b"content-type", b"image/png"),
-                                (b"content-length", str(len(png)).encode())]})
-        await send({"type": "http.response.body", "body": png})
-    return app
+def _config(path: Path, world: SimWorld, desktops: int, work: Path) -> None:
+    cfg = {
+        "run": {"name": "bench-service", "output_dir": str(work / "runs")},
+        "desktops": {
+            "provider": "static", "count": desktops, "warm_spares": 0,
+            "static": {"urls": world.desktop_urls, "reset_command": world.reset_command},
+            "verify": {"enabled": False},  # simulated desktops run no real commands
+        },
+        "service": {
+            "host": "127.0.0.1", "port": 0, "default_access": "relay",
+            "tenants": [{"name": "bench", "token_env": TOKEN_ENV, "max_leases": desktops}],
+            "action_pause_s": 0.0, "lease_ttl_s": 600.0,
+        },
+    }
+    path.write_text(yaml.safe_dump(cfg))
 
 
-def _percentiles(samples_s: list[float]) -> dict[str, float]:
-    ordered = sorted(samples_s)
-    return {"p50_ms": round(1000 * statistics.median(ordered), 2),
-            "p99_ms": round(1000 * ordered[min(len(ordered) - 1,
-                                               int(0.99 * len(ordered)))], 2)}
+class Service:
+    """The service as a process of its own, by pid."""
+
+    def __init__(self, config: Path, token: str, log: Path) -> None:
+        env = {**os.environ, TOKEN_ENV: token, "PYTHONPATH": str(ROOT)}
+        self._log = log.open("w")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "cua_rollout.service", "--config", str(config)],
+            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            start_new_session=True)
+        self.url = self._wait_url(log)
+        self.ps = psutil.Process(self.proc.pid)
+
+    def _wait_url(self, log: Path) -> str:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        assert self.proc.stdout is not None
+        while time.monotonic() < deadline:
+            line = self.proc.stdout.readline()
+            if not line:
+                break
+            if line.startswith("desktop service on "):
+                return line.split()[3]
+        self.stop()
+        raise RuntimeError(f"the service did not start: {log.read_text()[-2000:]}")
+
+    def cpu_s(self) -> float:
+        t = self.ps.cpu_times()
+        return t.user + t.system
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+                self.proc.wait(10)
+        self._log.close()
 
 
-async def _measure(url: str, proc: Any, leases: int, steps: int) -> dict[str, Any]:
-    import aiohttp
+async def _leases(url: str, token: str, clients: int, per_client: int
+                  ) -> tuple[list[float], list[float]]:
+    lease_s: list[float] = []
+    waited_s: list[float] = []
 
-    from cua_rollout.envs.service_client import DesktopServiceClient
+    async def one(i: int) -> None:
+        async with DesktopServiceClient(url, token) as client:
+            for _ in range(per_client):
+                t0 = time.perf_counter()
+                lease = await client.lease(label=f"bench-{i}", wait_s=60)
+                lease_s.append(time.perf_counter() - t0)
+                waited_s.append(lease.waited_s)
+                await client.release(lease.env_id)
 
-    out: dict[str, Any] = {}
+    await asyncio.gather(*(one(i) for i in range(clients)))
+    return lease_s, waited_s
 
-    def cpu() -> float:
-        times = proc.cpu_times()
-        return times.user + times.system
 
-    async with DesktopServiceClient(url, _TOKEN) as client:
-        await client.release((await client.lease()).env_id)  # warm up
-        for clients in (1, 8, 32):
-            latencies: list[float] = []
-            per_client = max(1, leases // clients)
+async def _steps(url: str, token: str, clients: int, steps: int
+                 ) -> tuple[list[float], list[float], int]:
+    act_s: list[float] = []
+    shot_s: list[float] = []
+    relayed = 0
+    ready = asyncio.Event()
+    held = 0
 
-            async def one(samples: list[float] = latencies, n: int = per_client) -> None:
-                for _ in range(n):
+    async def one(i: int) -> None:
+        nonlocal relayed, held
+        async with DesktopServiceClient(url, token) as client:
+            lease = await client.lease(label=f"bench-{i}", wait_s=60)
+            held += 1
+            if held == clients:
+                ready.set()
+            await ready.wait()  # every client holds its lease before the timing starts
+            try:
+                for _ in range(steps):
                     t0 = time.perf_counter()
-                    lease = await client.lease()
-                    samples.append(time.perf_counter() - t0)
-                    await client.release(lease.env_id)
+                    reply = await client.act(lease.env_id, kind="pyautogui", code=STEP_CODE,
+                                             pause_s=0.0)
+                    act_s.append(time.perf_counter() - t0)
+                    relayed += len(reply.screenshot_png_b64 or "") * 3 // 4
+                    if reply.returncode not in (0, None):
+                        raise RuntimeError(f"step failed: {reply.error}")
+                    t0 = time.perf_counter()
+                    relayed += len(await client.screenshot(lease.env_id))
+                    shot_s.append(time.perf_counter() - t0)
+            finally:
+                await client.release(lease.env_id)
 
-            c0 = cpu()
-            await asyncio.gather(*(one() for _ in range(clients)))
-            used = cpu() - c0
-            out[f"lease_{clients}_clients"] = {
-                **_percentiles(latencies), "leases": len(latencies),
-                "service_cpu_ms_per_lease": round(1000 * used / len(latencies), 2)}
+    await asyncio.gather(*(one(i) for i in range(clients)))
+    return act_s, shot_s, relayed
 
-        held = [await client.lease() for _ in range(8)]
-        per = max(1, steps // len(held))
 
-        async def act(env_id: str) -> None:
-            for _ in range(per):
-                await client.act(env_id, kind="pyautogui", code="pass")
-
-        c0 = cpu()
-        await asyncio.gather(*(act(x.env_id) for x in held))
-        out["act_step"] = {"steps": per * len(held), "service_cpu_ms_per_step": round(
-            1000 * (cpu() - c0) / (per * len(held)), 2)}
-
-        async with aiohttp.ClientSession(headers={"Authorization": f"Bearer {_TOKEN}"}) as http:
-            async def relayed(path: str) -> int:
-                size = 0
-                for _ in range(per):
-                    async with http.get(url + path + "/screenshot") as r:
-                        size = len(await r.read())
-                return size
-
-            c0 = cpu()
-            sizes = await asyncio.gather(*(relayed(x.desktop_url) for x in held))
-            out["relayed_screenshot"] = {
-                "requests": per * len(held), "bytes_each": sizes[0],
-                "service_cpu_ms_per_request": round(1000 * (cpu() - c0) / (per * len(held)),
-                                                    2)}
-        for x in held:
-            await client.release(x.env_id)
-    return out
+def measure(clients_list: list[int], leases: int, steps: int) -> dict[str, Any]:
+    """The figures for each number of concurrent clients (see the module's docstring)."""
+    token = os.urandom(16).hex()
+    desktops = 2 * max(clients_list) + 4
+    sim = DesktopSim(reset_latency=Latency(0.05, 0.0), action_latency=Latency(0.01, 0.0),
+                     screenshots=4)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="cua-bench-service-") as tmp:
+        work = Path(tmp)
+        with SimWorld(desktops=desktops, desktop=sim) as world:
+            config = work / "service.yaml"
+            _config(config, world, desktops, work)
+            service = Service(config, token, work / "service.log")
+            try:
+                for clients in clients_list:
+                    c0 = service.cpu_s()
+                    t0 = time.monotonic()
+                    lease_s, waited = asyncio.run(_leases(service.url, token, clients, leases))
+                    lease_wall = time.monotonic() - t0
+                    c1 = service.cpu_s()
+                    # Let the resets the releases started finish before the steps phase.
+                    time.sleep(1.0)
+                    c2 = service.cpu_s()
+                    act_s, shot_s, relayed = asyncio.run(
+                        _steps(service.url, token, clients, steps))
+                    c3 = service.cpu_s()
+                    n_leases, n_steps = len(lease_s), len(act_s)
+                    rows.append({
+                        "clients": clients, "leases": n_leases,
+                        "lease_p50_ms": 1000 * statistics.median(lease_s),
+                        "lease_p99_ms": 1000 * _pct(lease_s, 0.99),
+                        "leases_per_s": n_leases / lease_wall,
+                        "lease_waited_max_s": max(waited),
+                        "cpu_ms_per_lease": 1000 * (c1 - c0) / n_leases,
+                        "steps": n_steps,
+                        "act_p50_ms": 1000 * statistics.median(act_s),
+                        "act_p99_ms": 1000 * _pct(act_s, 0.99),
+                        "relay_shot_p50_ms": 1000 * statistics.median(shot_s),
+                        # The steps phase's CPU includes its own leases and releases
+                        # (one per client): taken out at the per-lease figure.
+                        "cpu_ms_per_step": 1000 * max(
+                            0.0, (c3 - c2) - clients * (c1 - c0) / n_leases) / n_steps,
+                        # The PNG in the act reply plus the relayed one.
+                        "relayed_kb_per_step": relayed / n_steps / 1024,
+                    })
+                    print(json.dumps(rows[-1]), flush=True)
+            finally:
+                service.stop()
+    return {"desktops": desktops, "leases_per_client": leases, "steps_per_client": steps,
+            "rows": rows}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--serve", metavar="DESKTOP_URL", help=argparse.SUPPRESS)
-    parser.add_argument("--leases", type=int, default=320)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--quick", action="store_true", help="fewer leases and steps")
+    parser.add_argument("--clients", default="1,8,32",
+                        help="concurrent clients, comma-separated (default 1,8,32)")
+    parser.add_argument("--json", type=Path, help="write the figures here")
     args = parser.parse_args(argv)
-    if args.serve:
-        asyncio.run(_serve(args.serve))
-        return 0
-    import psutil
+    clients = [int(c) for c in args.clients.split(",") if c.strip()]
+    if not clients or min(clients) < 1:
+        parser.error("--clients: positive integers, e.g. 1,8,32")
+    leases, steps = (10, 10) if args.quick else (50, 50)
+    result = measure(clients, leases, steps)
+    from rich.console import Console
+    from rich.table import Table
 
-    from cua_rollout.core.http import ThreadedServer
-
-    with ThreadedServer(_desktop_app(_png())) as desktop:
-        child = subprocess.Popen(
-            [sys.executable, __file__, "--serve", desktop.url], stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE, text=True,
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
-        try:
-            assert child.stdout is not None and child.stdin is not None
-            url = child.stdout.readline().strip()
-            result = asyncio.run(_measure(url, psutil.Process(child.pid), args.leases,
-                                          args.steps))
-        finally:
-            if child.stdin is not None:
-                child.stdin.close()
-            child.wait(timeout=60)
-            if child.stdout is not None:
-                child.stdout.close()
+    table = Table(title=f"desktop service: {result['desktops']} simulated desktops, relay")
+    columns = {"clients": "clients", "leases": "leases", "lease_p50_ms": "lease p50 ms",
+               "lease_p99_ms": "lease p99 ms", "leases_per_s": "leases/s",
+               "cpu_ms_per_lease": "CPU ms/lease", "steps": "steps", "act_p50_ms": "act p50 ms",
+               "act_p99_ms": "act p99 ms", "relay_shot_p50_ms": "relayed shot p50 ms",
+               "cpu_ms_per_step": "CPU ms/step", "relayed_kb_per_step": "KB/step"}
+    for header in columns.values():
+        table.add_column(header, justify="right")
+    for row in result["rows"]:
+        table.add_row(*(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
+                        for c in columns))
+    Console().print(table)
     if args.json:
-        print(json.dumps(result, indent=1))
-    else:
-        for name, figures in result.items():
-            print(f"{name:24} " + "  ".join(f"{k} {v}" for k, v in figures.items()))
+        args.json.write_text(json.dumps(result, indent=1))
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(main())
