@@ -22,6 +22,7 @@ __all__ = [
     "CHROMIUM_PORT_VAR",
     "FILE_DATA_FIELD",
     "FILE_PATH_FIELD",
+    "MAX_CODE_BYTES",
     "VLC_PORT_VAR",
     "AccessibilityReply",
     "ActionsReply",
@@ -342,6 +343,16 @@ class KillAppsReply(ReplyModel):
 # ---------------------------------------------------------------------- helpers
 
 
+_CODE_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
+
+# Linux's limit on one argument (MAX_ARG_STRLEN, 32 pages): the code goes to the desktop's
+# python as the one argument of ``-c``, as OSWorld's client sends it.
+_MAX_ARGUMENT_BYTES = 131_072
+MAX_CODE_BYTES = _MAX_ARGUMENT_BYTES - 1 - len(_CODE_PREFIX)
+"""The longest pyautogui code (UTF-8 bytes) ``execute_command`` can carry."""
+
+
 def execute_command(code: str, python: str = "python") -> list[str]:
-    """The argv OSWorld's client posts to a desktop's ``/execute`` for pyautogui code."""
-    return [python, "-c", f"import pyautogui; import time; pyautogui.FAILSAFE = False; {code}"]
+    """The argv OSWorld's client posts to a desktop's ``/execute`` for pyautogui code
+    (at most ``MAX_CODE_BYTES`` of it)."""
+    return [python, "-c", _CODE_PREFIX + code]

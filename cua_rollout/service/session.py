@@ -28,6 +28,7 @@ from cua_rollout.core.errors import (
 )
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import DONE, FAIL, SPECIAL_ACTIONS, WAIT
+from cua_rollout.desktop.protocol import MAX_CODE_BYTES
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.service_protocol import ActRequest, Observation, encode_png
 from cua_rollout.evaluation import Evaluator
@@ -133,6 +134,11 @@ class DesktopSession:
         outcome = ActOutcome(executed=None, terminal=terminal, returncode=None, output="",
                              error="", parse_error=parse_error)
         if code is not None:
+            size = len(code.encode())
+            if size > MAX_CODE_BYTES:  # the desktop could not even start it (E2BIG)
+                raise Refusal("bad_request", f"the action's code is {size:,} bytes; a desktop "
+                              f"runs at most {MAX_CODE_BYTES:,} (it is one argument of python "
+                              "-c, as OSWorld's client sends it)")
             result = await self._on_desktop(self.env.step(code, pause_s), "action")
             outcome.update(executed=code, returncode=result.returncode,
                            output=result.output, error=result.error)

@@ -16,6 +16,7 @@ import uvicorn
 
 from cua_rollout.config import Config
 from cua_rollout.core.errors import ConfigError, DesktopUnavailable
+from cua_rollout.desktop.protocol import MAX_CODE_BYTES
 from cua_rollout.envs.contract import DesktopAddress
 from cua_rollout.envs.service_client import (
     BadServiceRequest,
@@ -237,6 +238,16 @@ async def test_bad_input_is_a_4xx_with_the_reason_and_disturbs_nothing():
                 assert r.status == 502 and (await r.json())["code"] == "relay_failed"
             async with s.get(relay_url) as r:  # tok-a: another tenant's
                 assert r.status == 403
+        # Code longer than a desktop can run (one argument of python -c): refused with the
+        # limit, before the desktop sees it.
+        async with _service(max_body_bytes=400_000) as (big_url, _, big_provider), \
+                DesktopServiceClient(big_url, "tok-b") as big:
+            lease = await big.lease()
+            with pytest.raises(BadServiceRequest) as too_long:
+                await big.act(lease.env_id, kind="pyautogui",
+                              code="x = 1\n" * ((MAX_CODE_BYTES + 6) // 6))
+            assert too_long.value.status == 400 and f"{MAX_CODE_BYTES:,}" in str(too_long.value)
+            assert big_provider.desktops[lease.desktop_id].actions == []
         # b's lease still works.
         assert (await b.act(mine.env_id, kind="special", code="WAIT")).step == 1
         assert (await b.release(mine.env_id)).released
