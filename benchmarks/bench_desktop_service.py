@@ -162,7 +162,8 @@ async def _steps(url: str, token: str, clients: int, steps: int
                     if reply.returncode not in (0, None):
                         raise RuntimeError(f"step failed: {reply.error}")
                     t0 = time.perf_counter()
-                    relayed += len(await client.screenshot(lease.env_id))
+                    png = await client.screenshot(lease.env_id)  # awaited before the +=:
+                    relayed += len(png)                           # no update lost meanwhile
                     shot_s.append(time.perf_counter() - t0)
             finally:
                 await client.release(lease.env_id)
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in result["rows"]:
         table.add_row(*(f"{row[c]:.1f}" if isinstance(row[c], float) else str(row[c])
                         for c in columns))
-    Console().print(table)
+    Console(width=200).print(table)
     if args.json:
         args.json.write_text(json.dumps(result, indent=1))
     return 0
