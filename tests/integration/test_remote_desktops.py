@@ -204,7 +204,8 @@ def test_the_demo_through_run_py_on_gui_docker_env_emulators(tmp_path, token):
         assert proc.returncode == 0, err[-4000:]
         records = assert_every_episode_succeeded(run_dir, tasks)
         assert all(r["desktop"].startswith("remote-") for r in records)
-        assert {r["desktop"] for r in records} == {"remote-0", "remote-1"}  # the refill's too
+        # The refill's desktop (the next index) ran episodes too, beside the first one.
+        assert len({r["desktop"] for r in records}) == 2
         assert manager.running() == [], "emulators left after the run"
         assert manager.starts == manager.stopped
     assert not list(Path(tmp_path / "gde").glob("*/session.json"))
