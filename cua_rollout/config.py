@@ -60,6 +60,8 @@ __all__ = [
     "RunConfig",
     "RunnerConfig",
     "SamplingConfig",
+    "ServiceConfig",
+    "ServiceTenantConfig",
     "StaticDesktopsConfig",
     "StorageConfig",
     "TasksConfig",
@@ -1380,6 +1382,75 @@ class TextConfig(_Section):
         return self
 
 
+class ServiceTenantConfig(_Section):
+    """One tenant of the desktop service: who holds which token, and how many desktops at
+    once."""
+
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The tenant's name (in ``/status``, the metrics' labels and error messages)."""
+    token_env: str = Field(min_length=1)
+    """The environment variable holding the tenant's bearer token (read when the service
+    starts; unset is an error)."""
+    max_leases: PositiveInt = 1
+    """The tenant's concurrency quota: leases held at once. One more waits (fairly, in
+    arrival order) up to its ``wait_s``, then gets 429 ``over_quota``."""
+
+
+class ServiceConfig(_Section):
+    """The desktop service (``cua-rollout desktops serve``, ``cua_rollout/service/``): the
+    pool of ``desktops`` behind an HTTP API for tenants outside a run (docs/desktop_service.md)."""
+
+    host: str = "127.0.0.1"
+    """Address the service binds."""
+    port: Annotated[int, Field(ge=0, le=65535)] = 8790
+    """Port the service binds (0: a free one, printed when it starts)."""
+    tenants: list[ServiceTenantConfig] = []
+    """Who may lease (the service refuses to start without one)."""
+    operator_token_env: str | None = None
+    """The environment variable holding the operator's token: ``/status`` of everything,
+    ``/v1/desktops`` and its actions (``scripts/desktops.py --service``). Null: no operator."""
+    allow: list[str] = []
+    """Addresses allowed to call (IPs, CIDR networks, host names resolved at start); empty:
+    every address. ``/healthz`` is open to all."""
+    default_access: Literal["direct", "relay"] = "direct"
+    """How a lease's client reaches its desktop's own server unless it asks: ``direct`` (the
+    desktop's URL with a per-lease token: needs ``desktops.token_env``) or ``relay`` (through
+    the service, with the tenant's token)."""
+    direct_host: str | None = None
+    """The host put into direct URLs in place of a desktop's loopback address (desktops bound
+    to 127.0.0.1 are reached by other hosts through this name). Null: the URL as it is."""
+    lease_ttl_s: PositiveFloat = 120.0
+    """A lease with no call (heartbeat or any other) for this long expires: its desktop is
+    reset and lent again."""
+    default_wait_s: Annotated[float, Field(ge=0)] = 30.0
+    """How long a lease waits for quota and a free desktop when the request names no
+    ``wait_s``."""
+    max_wait_s: Annotated[float, Field(ge=0)] = 600.0
+    """The longest wait a lease request may ask for (longer is capped)."""
+    max_body_bytes: PositiveInt = 64 * 1024 * 1024
+    """Largest request body (413 ``too_large`` beyond it, said before it is read)."""
+    action_pause_s: Annotated[float, Field(ge=0)] = 0.5
+    """Pause after an action before its observation, unless the request names one."""
+
+    @model_validator(mode="after")
+    def _consistent(self) -> ServiceConfig:
+        for index, entry in enumerate(self.allow):
+            try:
+                host_entry(entry, f"service.allow[{index}]")
+            except ConfigError as exc:
+                raise ValueError(str(exc)) from None
+        names = [t.name for t in self.tenants]
+        if len(set(names)) != len(names):
+            raise ValueError(f"service.tenants: names must be distinct, got {names}")
+        envs = [t.token_env for t in self.tenants]
+        if len(set(envs)) != len(envs):
+            raise ValueError("service.tenants: two tenants name the same token_env")
+        if self.default_wait_s > self.max_wait_s:
+            raise ValueError(f"service.default_wait_s ({self.default_wait_s:g}) exceeds "
+                             f"service.max_wait_s ({self.max_wait_s:g})")
+        return self
+
+
 class MonitoringConfig(_Section):
     """What the user sees while a run goes on."""
 
@@ -1522,6 +1593,7 @@ class Config(_Section):
     storage: StorageConfig = StorageConfig()
     monitoring: MonitoringConfig = MonitoringConfig()
     text: TextConfig = TextConfig()
+    service: ServiceConfig = ServiceConfig()
 
     @model_validator(mode="before")
     @classmethod

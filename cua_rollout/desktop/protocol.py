@@ -33,6 +33,7 @@ __all__ = [
     "DownloadRequest",
     "ErrorReply",
     "KillAppsReply",
+    "LeaseTokenRequest",
     "ListDirectoryReply",
     "ListDirectoryRequest",
     "MessageReply",
@@ -84,6 +85,8 @@ class Paths:
     PORTS = "/ports"  # GET: PortsReply (not in OSWorld: its VMs use the fixed ports)
     APPS = "/apps"  # GET: AppsReply (not in OSWorld)
     APPS_KILL = "/apps/kill"  # POST: KillAppsReply (not in OSWorld)
+    # A second bearer token, for one lease (not in OSWorld): base token only
+    LEASE_TOKEN = "/lease_token"  # POST LeaseTokenRequest: MessageReply
     # Recording
     START_RECORDING = "/start_recording"  # POST: MessageReply
     END_RECORDING = "/end_recording"  # POST: the MP4's bytes
@@ -120,6 +123,14 @@ class CommandRequest(RequestModel):
     server ends the command by then, or by its own limit when that comes first, so that a
     command its caller gave up on does not run on. None: the server's limit. ``/setup/launch``
     ignores it (an app runs until a reset)."""
+
+
+class LeaseTokenRequest(RequestModel):
+    """``/lease_token``: install ``token`` as a second bearer token, accepted on every path
+    but this one until it is replaced or cleared (null). Only the server's own token may
+    ask; the desktop service gives each lease a fresh one and clears it before the reset."""
+
+    token: str | None = None
 
 
 class RunPythonRequest(RequestModel):

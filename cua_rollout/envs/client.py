@@ -38,6 +38,7 @@ from cua_rollout.desktop.protocol import (
     FILE_DATA_FIELD,
     FILE_PATH_FIELD,
     CommandRequest,
+    LeaseTokenRequest,
     OpenFileRequest,
     Paths,
     RunPythonRequest,
@@ -250,13 +251,22 @@ class RemoteDesktopEnv:
                                f"{response.text[:100]!r}") from exc
 
     async def health(self) -> bool:
-        """True when the desktop answers ``/screen_size`` quickly."""
+        """True when the desktop answers ``/screen_size`` quickly. Asked twice: a pooled
+        connection the server closed as idle (uvicorn's keep-alive is 5 s, the pool's idle
+        checks come every 5 s) fails the first ask without the desktop being unwell."""
         try:
-            await self._request("POST", Paths.SCREEN_SIZE, idempotent=True, retries=0,
+            await self._request("POST", Paths.SCREEN_SIZE, idempotent=True, retries=1,
                                 timeout_s=min(_HEALTH_TIMEOUT_S, self.cfg.request_timeout_s))
         except DesktopError:
             return False
         return True
+
+    async def set_lease_token(self, token: str | None) -> None:
+        """``/lease_token``: accept ``token`` as a second bearer token until it is cleared
+        (None); needs the desktop's own token (``desktops.token_env``)."""
+        await self._request("POST", Paths.LEASE_TOKEN,
+                            json_body=LeaseTokenRequest(token=token).model_dump(),
+                            idempotent=True, retries=1)
 
     # ----------------------------------------------------------------- setup calls
 

@@ -93,6 +93,7 @@ ErrorCode = Literal[
     "no_desktop",           # no desktop became free within the wait
     "desktop_died",         # the leased desktop stopped answering (it is replaced)
     "setup_failed",         # the task's setup failed on the desktop (the lease is released)
+    "evaluation_failed",    # the scoring itself failed (timed out, an evaluator we lack)
     "unparseable",          # an action the service cannot turn into code (kind, fields)
     "stopping",             # the service is shutting down
 ]
@@ -101,6 +102,7 @@ ERROR_STATUS: dict[str, int] = {
     "bad_request": 400, "unauthorized": 401, "address_not_allowed": 403, "forbidden": 403,
     "unknown_env": 404, "lease_lost": 410, "too_large": 413, "unparseable": 422,
     "over_quota": 429, "no_desktop": 503, "desktop_died": 502, "setup_failed": 502,
+    "evaluation_failed": 502,
     "stopping": 503,
 }
 
@@ -209,6 +211,7 @@ class ActReply(Observation):
     output: str = ""
     error: str = ""
     parse_error: str | None = None   # a uitars reply that did not parse: nothing ran
+    terminal_output: str | None = None  # observe "terminal": here, as ``terminal`` is taken
     expires_at: float
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from cua_rollout.agents.base import Agent, Decision, make_agent
@@ -17,12 +18,13 @@ from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.core.types import DONE, FAIL, WAIT, Status
 from cua_rollout.envs.client import RemoteDesktopEnv
 from cua_rollout.envs.contract import DesktopEnv
+from cua_rollout.evaluation import Evaluator
 from cua_rollout.runtime.episode import ACTOR_CALL_TIMEOUT_S, Episode, EpisodeEnded, within
 from cua_rollout.runtime.pool import Lease
 from cua_rollout.runtime.pool_shards import ShardedPool
 from cua_rollout.runtime.trajectory import StepRecord
 
-__all__ = ["DesktopEpisode", "open_leased_desktop"]
+__all__ = ["DesktopEpisode", "open_leased_desktop", "score_task"]
 
 
 def open_leased_desktop(lease: Lease, cfg: DesktopsConfig) -> DesktopEnv:
@@ -119,18 +121,29 @@ class DesktopEpisode(Episode):
         already scores 0 (docs/osworld.md)."""
         t0 = time.monotonic()
         try:
-            reward = await asyncio.wait_for(
-                self.r.evaluator.evaluate(env, self.task,  # type: ignore[arg-type]
-                                          self.last_action,
-                                          task_id=str(self.task.get("id", "")) or None),
+            reward, self.evaluation_error = await score_task(
+                self.r.evaluator, env, self.task, self.last_action,
                 self.cfg.runner.evaluation_timeout_s)
-        except EvaluatorRaised as exc:
-            self.evaluation_error = one_line(exc)
-            return 0.0
         except TimeoutError:
             raise EpisodeEnded(Status.INFRA_ERROR, "evaluation timed out after "
                                 f"{self.cfg.runner.evaluation_timeout_s:.0f}s",
                                 retryable=True, healthy=False) from None
         finally:
             self.timing["evaluation_s"] = time.monotonic() - t0
-        return min(1.0, max(0.0, float(reward)))
+        return reward
+
+
+async def score_task(evaluator: Evaluator, env: DesktopEnv, task: Mapping[str, Any],
+                     last_action: str | None, timeout_s: float) -> tuple[float, str | None]:
+    """The task's reward in [0, 1] on ``env`` by its evaluator (episodes and the desktop
+    service score alike), and why it is 0 when the evaluator raised on what the agent left
+    (``EvaluatorRaised``: the agent's failure, scored 0 with the reason kept). Past
+    ``timeout_s``: ``TimeoutError``; any other evaluation error is raised."""
+    try:
+        reward = await asyncio.wait_for(
+            evaluator.evaluate(env, task, last_action,  # type: ignore[arg-type]
+                               task_id=str(task.get("id", "")) or None),
+            timeout_s)
+    except EvaluatorRaised as exc:
+        return 0.0, one_line(exc)
+    return min(1.0, max(0.0, float(reward))), None

@@ -162,6 +162,19 @@ storage: {queue_max_items: 64, save_messages: false, fsync: true, index: true,
 monitoring: {progress_bar: false, metrics_interval_s: 1, ray_metrics: false, tracker: mlflow,
              tracker_uri: "sqlite:///t/mlflow.db", tracker_experiment: exp,
              status_address: "127.0.0.1:8270", status_token_env: STATUS_TOKEN, stall_s: 600}
+service:
+  host: 0.0.0.0
+  port: 8791
+  tenants: [{name: team-a, token_env: TEAM_A_TOKEN, max_leases: 4}]
+  operator_token_env: OPERATOR_TOKEN
+  allow: [10.0.0.0/8, "127.0.0.1"]
+  default_access: relay
+  direct_host: desktops.example
+  lease_ttl_s: 90
+  default_wait_s: 10
+  max_wait_s: 60
+  max_body_bytes: 1000000
+  action_pause_s: 0.2
 text:
   max_turns: 4
   max_tool_calls_per_turn: 3
