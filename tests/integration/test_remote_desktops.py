@@ -209,3 +209,56 @@ def test_the_demo_through_run_py_on_gui_docker_env_emulators(tmp_path, token):
         assert manager.running() == [], "emulators left after the run"
         assert manager.starts == manager.stopped
     assert not list(Path(tmp_path / "gde").glob("*/session.json"))
+
+
+# --------------------------------------------------------------------------- kind: cua
+
+TENANT_VAR = "CUA_TEST_TENANT_TOKEN"
+DESKTOP_VAR = "CUA_TEST_DESKTOP_TOKEN"
+
+
+def _serve(tmp_path: Path, env: dict[str, str]) -> tuple[subprocess.Popen[str], str]:
+    """Our desktop service on 2 local desktops, as a subprocess: it and its URL."""
+    config = tmp_path / "service.yaml"
+    config.write_text(
+        "desktops: {provider: local, count: 2, warm_spares: 0, screen_width: 1280,\n"
+        f"  screen_height: 720, token_env: {DESKTOP_VAR},\n"
+        f"  local: {{state_dir: {tmp_path / 'svc-desktops'}}}}}\n"
+        f"service: {{port: 0, lease_ttl_s: 15, tenants: [{{name: run, token_env: {TENANT_VAR},"
+        " max_leases: 2}]}\n")
+    proc = subprocess.Popen([sys.executable, "-m", "cua_rollout.service", "--config",
+                             str(config)], cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    assert proc.stdout is not None
+    line = proc.stdout.readline()
+    assert line.startswith("desktop service on "), (line, proc.stderr.read()[-3000:]
+                                                     if proc.poll() is not None else "")
+    return proc, line.split()[3]
+
+
+def test_the_demo_through_run_py_on_leases_of_our_desktop_service(tmp_path):
+    """run.py with ``kind: cua`` against the real service (a subprocess on local desktops):
+    every episode scored, and when the run has ended the service holds no lease of it."""
+    tasks = ["terminal-hello-file", "calc-divide-keyboard", "terminal-wifi-infeasible"]
+    env = {**os.environ, TENANT_VAR: "tenant-secret", DESKTOP_VAR: "desktop-secret"}
+    service, url = _serve(tmp_path, env)
+    try:
+        args = [sys.executable, str(REPO_ROOT / "run.py"), "--config",
+                str(REPO_ROOT / "configs" / "demo.yaml")]
+        for s in (f"run.output_dir={tmp_path / 'results'}", "desktops.provider=remote",
+                  "desktops.remote.kind=cua", f"desktops.remote.urls={json.dumps([url])}",
+                  f"desktops.remote.token_env={TENANT_VAR}", "ray.include_dashboard=false",
+                  f"tasks.task_ids={json.dumps(tasks)}"):
+            args += ["--set", s]
+        done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
+                              timeout=RUN_TIMEOUT_S, env={**env, DESKTOP_VAR: ""})
+        assert done.returncode == 0, done.stderr[-4000:]
+        records = assert_every_episode_succeeded(tmp_path / "results" / "demo", tasks)
+        assert all(r["desktop"].startswith("remote-") for r in records)
+        status = httpx.get(url + "/status", headers={"Authorization": "Bearer tenant-secret"},
+                           timeout=10).json()
+        assert not status.get("leases"), status
+    finally:
+        service.send_signal(signal.SIGTERM)
+        service.communicate(timeout=120)
+    assert not list((tmp_path / "svc-desktops").glob("*/session.json"))

@@ -610,7 +610,7 @@ def test_kubernetes_vm_reset_needs_a_pod_template():
 
 
 def test_remote_desktops_name_their_missing_token_and_urls(tmp_path, monkeypatch):
-    with pytest.raises(ConfigError, match="desktops.remote.token_env"):
+    with pytest.raises(ConfigError, match=r"desktops\.remote\.token_env"):
         load_config(write(tmp_path, "desktops: {provider: remote, remote: {urls: [http://e:1]}}"))
     cfg = load_config(write(tmp_path, "desktops: {provider: remote, remote: "
                                       "{kind: gui-docker-env}}"))
