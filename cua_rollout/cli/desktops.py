@@ -6,6 +6,8 @@ stopping it; or, with no run alive, list and sweep what a provider left behind.
     python scripts/desktops.py quarantine DESKTOP --config C   # out of service (replaced)
     python scripts/desktops.py remove DESKTOP --config C       # stop it; another takes its place
     python scripts/desktops.py sweep --config C                # remove desktops of dead runs
+    python scripts/desktops.py serve --config C                # the desktop service
+    python scripts/desktops.py status --service URL [--token-env NAME]   # a service's desktops
 
 A live run is found by its pool's Ray actors (``desktops:<run.name>``, or
 ``desktops:<run.name>/<shard>`` for each shard of a sharded pool, in ``ray.namespace``, on
@@ -15,6 +17,11 @@ shard's desktops, an action goes to the shard that holds the desktop. Without on
 heartbeat, local desktops by their state files). ``release`` quarantines the desktop rather
 than resetting it under its episode: the episode fails at its next call and is retried on
 another desktop (an infra_error).
+
+``serve`` runs the desktop service (``cua_rollout/service/``, docs/desktop_service.md) on the
+config's desktops until SIGTERM / SIGINT. ``--service URL`` points ``status``, ``release``,
+``quarantine`` and ``remove`` at such a service instead of a run, with the operator's token
+from the variable ``--token-env`` names (default ``CUA_SERVICE_TOKEN``).
 """
 
 from __future__ import annotations
@@ -28,7 +35,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cua_rollout.cli.common import add_config_arguments, config_from_args
+from cua_rollout.cli.common import config_from_args
 from cua_rollout.config import Config
 from cua_rollout.core.errors import ConfigError, DesktopError, RolloutError
 from cua_rollout.core.files import read_json
@@ -39,8 +46,11 @@ __all__ = ["main"]
 
 T = TypeVar("T")
 
-_COLUMNS = ("id", "state", "owner", "lease_age_s", "leases", "failures", "url", "provider",
-            "last_error")
+# The variable holding a desktop service's operator token, unless --token-env names another.
+_SERVICE_TOKEN_ENV = "CUA_SERVICE_TOKEN"
+
+_COLUMNS = ("id", "state", "tenant", "owner", "lease_age_s", "leases", "failures", "url",
+            "provider", "last_error")
 
 
 def _live_pool(cfg: Config) -> PoolShards | None:
@@ -133,19 +143,37 @@ def _sweep(cfg: Config) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["serve"]:
+        from cua_rollout.service.serve import main as serve
+
+        return serve(argv[1:])
     parser = argparse.ArgumentParser(prog="scripts/desktops.py",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("command", choices=["status", "release", "quarantine", "remove",
-                                            "sweep"])
+                                            "sweep", "serve"])
     parser.add_argument("desktop", nargs="?", help="the desktop's id (release, quarantine, "
                         "remove)")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
-    add_config_arguments(parser)
+    parser.add_argument("--config", "-c", help="YAML config file (a run's, or the service's "
+                        "to serve)")
+    parser.add_argument("--set", dest="overrides", action="append", default=[],
+                        metavar="KEY=VALUE", help="override a config key")
+    parser.add_argument("--service", metavar="URL", help="a desktop service instead of a run")
+    parser.add_argument("--token-env", default=_SERVICE_TOKEN_ENV, metavar="NAME",
+                        help="--service: the variable holding the operator's token (default "
+                        f"{_SERVICE_TOKEN_ENV})")
     args = parser.parse_args(argv)
     acts = args.command in ("release", "quarantine", "remove")
     if acts != (args.desktop is not None):
         parser.error(f"{args.command} " + ("needs a desktop id" if acts
                                            else "takes no desktop id"))
+    if args.service is not None:
+        if args.command == "sweep":
+            parser.error("sweep is for a provider's leftovers: use --config, not --service")
+        return _on_service(args)
+    if args.config is None:
+        parser.error("--config (or --service URL) is required")
     try:
         cfg = config_from_args(args)
     except ConfigError as exc:
@@ -187,6 +215,39 @@ def main(argv: list[str] | None = None) -> int:
     except DesktopError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+    return 0
+
+
+def _on_service(args: argparse.Namespace) -> int:
+    """``status`` / ``release`` / ``quarantine`` / ``remove`` on a desktop service."""
+    from cua_rollout.envs.service_client import DesktopServiceClient, ServiceError
+
+    token = os.environ.get(args.token_env)
+    if not token:
+        print(f"--token-env names ${args.token_env}, which is not set (the service's "
+              "operator token)", file=sys.stderr)
+        return 2
+
+    async def ask() -> Any:
+        async with DesktopServiceClient(args.service, token, timeout_s=60) as client:
+            if args.command == "status":
+                return await client.desktops()
+            return await client.desktop_action(args.desktop, args.command)
+
+    try:
+        reply = asyncio.run(ask())
+    except (ServiceError, ConfigError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    if args.command != "status":
+        print(reply.result)
+        return 0
+    rows = [row.model_dump() for row in reply.desktops]
+    if args.json:
+        print(json.dumps({"live": True, "service": args.service, "desktops": rows}, indent=1))
+    else:
+        print(f"desktop service {args.service}")
+        print(_table(rows))
     return 0
 
 

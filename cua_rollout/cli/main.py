@@ -18,7 +18,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "results": ("", "show | stats | compare | view | plot a run's results"),
     "training": ("cua_rollout.training.cli",
                  "the trainer's index: status, claim, ack, release, export, reindex"),
-    "desktops": ("cua_rollout.cli.desktops", "list, act on or sweep the desktops of a run"),
+    "desktops": ("cua_rollout.cli.desktops",
+                 "list, act on or sweep the desktops of a run or service; serve them"),
     "check-tasks": ("cua_rollout.cli.check_tasks", "can these tasks be set up and scored here"),
     "replay": ("cua_rollout.runtime.replay", "play a task's reference solution on a desktop"),
 }

@@ -43,7 +43,8 @@ the body here says what went wrong instead of an HTML page):
                             501 AT-SPI is not available (the reason in ``message``)
     every path              401 without ``Authorization: Bearer <token>`` when a token is set
                             (the server's, or the lease token of ``/lease_token``)
-    /lease_token            401 but with the server's own token; 400 not {"token": str|null}
+    /lease_token            401 but with the server's own token; 400 not {"token": str|null};
+                            409 the server has no token
 
 Deliberate differences: a command's answer does not wait for processes it left in the
 background (OSWorld waits until they close its output pipes); every child runs in a session of
@@ -85,7 +86,7 @@ from fastapi.responses import JSONResponse, Response
 
 from cua_rollout.desktop.errors import RequestBodyError
 from cua_rollout.desktop.processes import WARM_ACTIONS_VAR
-from cua_rollout.desktop.protocol import ErrorReply, LeaseTokenRequest, MessageReply, Paths
+from cua_rollout.desktop.protocol import ErrorReply, MessageReply, Paths
 from cua_rollout.desktop.routes import ROUTERS
 from cua_rollout.desktop.routes.common import body_error_reply, json_reply
 from cua_rollout.desktop.state import ServerSettings, open_state
@@ -100,12 +101,11 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 class _BearerAuth:
     """Answers 401 to every request without ``Authorization: Bearer <token>``: the server's
     token, or the lease token its holder installed (``POST /lease_token``, which only the
-    server's own token may call)."""
+    server's own token reaches)."""
 
     def __init__(self, app: Callable[[Scope, Receive, Send], Awaitable[None]], token: str) -> None:
         self.app = app
         self._expected = f"Bearer {token}".encode()
-        self._lease: bytes | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http":
@@ -114,49 +114,16 @@ class _BearerAuth:
                 if name == b"authorization":
                     got = value
                     break
-            owner = hmac.compare_digest(got, self._expected)
-            if scope["path"] == Paths.LEASE_TOKEN:
-                await self._lease_token(owner, scope, receive, send)
-                return
-            lease = self._lease is not None and hmac.compare_digest(got, self._lease)
-            if not (owner or lease):
+            allowed = hmac.compare_digest(got, self._expected)
+            if not allowed and scope["path"] != Paths.LEASE_TOKEN:
+                state = getattr(scope["app"].state, "desktop", None)
+                lease = state.lease_token if state is not None else None
+                allowed = lease is not None and hmac.compare_digest(
+                    got, f"Bearer {lease}".encode())
+            if not allowed:
                 await _unauthorized(scope, receive, send)
                 return
         await self.app(scope, receive, send)
-
-    async def _lease_token(self, owner: bool, scope: Scope, receive: Receive, send: Send
-                           ) -> None:
-        if not owner:  # a lease token cannot replace itself or another
-            await _unauthorized(scope, receive, send)
-            return
-        if scope["method"] != "POST":
-            await JSONResponse(ErrorReply(error="POST only").model_dump(),
-                               status_code=405)(scope, receive, send)
-            return
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if len(body) > _LEASE_TOKEN_MAX_BYTES:
-                await JSONResponse(ErrorReply(error="body too large").model_dump(),
-                                   status_code=413)(scope, receive, send)
-                return
-            if not message.get("more_body"):
-                break
-        try:
-            request = LeaseTokenRequest.model_validate_json(body or b"{}")
-        except ValueError as exc:
-            await JSONResponse(ErrorReply(error=f"not a lease token request: {exc}"
-                                          ).model_dump(), status_code=400)(scope, receive, send)
-            return
-        self._lease = f"Bearer {request.token}".encode() if request.token else None
-        reply = MessageReply(status="success",
-                             message="lease token set" if request.token else "lease token cleared")
-        await JSONResponse(reply.model_dump())(scope, receive, send)
-
-
-# A lease token request is a token and its JSON: small.
-_LEASE_TOKEN_MAX_BYTES = 4096
 
 
 async def _unauthorized(scope: Scope, receive: Receive, send: Send) -> None:

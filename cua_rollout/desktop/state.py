@@ -92,6 +92,9 @@ class ServerState:
     """The warm interpreter of plain ``/execute`` actions (not an app: resets keep it)."""
     click_focus: ClickFocus | None = None
     """The click-to-focus watcher, when ``settings.click_focus``."""
+    lease_token: str | None = None
+    """A second bearer token (``/lease_token``: one lease's, installed by the desktop
+    service), accepted beside ``settings.token`` on every path but that one."""
 
 
 @contextlib.asynccontextmanager

@@ -75,11 +75,13 @@ class ServiceError(DesktopError):
     asking again may work (over quota, no desktop)."""
 
     def __init__(self, message: str, *, code: str | None = None, status: int | None = None,
-                 retry_after_s: float | None = None) -> None:
+                 retry_after_s: float | None = None, where: str = "") -> None:
         super().__init__(message)
         self.code = code
         self.status = status
         self.retry_after_s = retry_after_s
+        self.where = where
+        """The service and path asked (the message is the service's own words)."""
 
 
 class ServiceUnavailable(ServiceError, DesktopUnavailable):
@@ -128,20 +130,21 @@ _CLASSES: dict[str, type[ServiceError]] = {
 def service_error(status: int, content: bytes, headers: dict[str, str] | None = None,
                   where: str = "") -> ServiceError:
     """The error of a reply with ``status`` >= 400: its ``ErrorBody`` when it has one (the
-    class by its code), else a ``ServiceError`` quoting the start of the body."""
-    prefix = f"{where}: " if where else ""
+    class by its code; the message is the body's ``error``), else a ``ServiceError`` quoting
+    the start of the body (a proxy's page, not the service's answer)."""
     try:
         body = ErrorBody.model_validate_json(content)
     except ValidationError:
         text = content[:300].decode("utf-8", "replace")
         cls = ServiceUnavailable if status in (502, 503, 504) else ServiceError
-        return cls(f"{prefix}HTTP {status}: {text}", status=status)
+        return cls(f"{where}: HTTP {status}: {text}" if where else f"HTTP {status}: {text}",
+                   status=status, where=where)
     retry_after = body.retry_after_s
     if retry_after is None and headers and headers.get("Retry-After", "").isdigit():
         retry_after = float(headers["Retry-After"])
     cls = _CLASSES.get(body.code, ServiceError)
-    return cls(f"{prefix}{body.error}", code=body.code, status=status,
-               retry_after_s=retry_after)
+    return cls(body.error, code=body.code, status=status, retry_after_s=retry_after,
+               where=where)
 
 
 class KeepAlive:
@@ -304,13 +307,15 @@ class DesktopServiceClient:
                 last = exc
                 if exc.kind == "connect":  # nothing was sent: trying again is harmless
                     continue
-                raise ServiceUnavailable(f"{self._where(path)}: {exc}") from exc
+                raise ServiceUnavailable(f"{self._where(path)}: {exc}",
+                                         where=self._where(path)) from exc
             if response.status_code >= 400:
                 raise service_error(response.status_code, response.content,
                                     where=self._where(path))
             return response.content
         raise ServiceUnavailable(f"{self._where(path)}: cannot connect ({last}) after "
-                                 f"{_CONNECT_ATTEMPTS} attempts") from last
+                                 f"{_CONNECT_ATTEMPTS} attempts", where=self._where(path)
+                                 ) from last
 
     def _where(self, path: str) -> str:
         return f"desktop service {redact_url(self.url)}{path}"

@@ -94,6 +94,7 @@ ErrorCode = Literal[
     "desktop_died",         # the leased desktop stopped answering (it is replaced)
     "setup_failed",         # the task's setup failed on the desktop (the lease is released)
     "evaluation_failed",    # the scoring itself failed (timed out, an evaluator we lack)
+    "relay_failed",         # a relayed request got no reply from a desktop that still answers
     "unparseable",          # an action the service cannot turn into code (kind, fields)
     "stopping",             # the service is shutting down
 ]
@@ -102,7 +103,7 @@ ERROR_STATUS: dict[str, int] = {
     "bad_request": 400, "unauthorized": 401, "address_not_allowed": 403, "forbidden": 403,
     "unknown_env": 404, "lease_lost": 410, "too_large": 413, "unparseable": 422,
     "over_quota": 429, "no_desktop": 503, "desktop_died": 502, "setup_failed": 502,
-    "evaluation_failed": 502,
+    "evaluation_failed": 502, "relay_failed": 502,
     "stopping": 503,
 }
 

@@ -354,7 +354,8 @@ class DesktopPool:
             })
         return rows
 
-    async def release_desktop(self, desktop_id: str) -> str:
+    async def release_desktop(self, desktop_id: str,
+                              reason: str = "taken back by an operator") -> str:
         """An operator takes back the lease on ``desktop_id`` (a stuck episode's): the
         desktop is quarantined, not reset, so the episode still on it fails at its next call
         (an infrastructure error, retried elsewhere) instead of going on with a desktop reset
@@ -366,7 +367,7 @@ class DesktopPool:
         self.counters["releases"] += 1
         desktop = self._desktops[desktop_id]
         desktop.failures += 1
-        await self._quarantine(desktop, f"lease of {lease.owner} taken back by an operator")
+        await self._quarantine(desktop, f"lease of {lease.owner} {reason}")
         return (f"took back {desktop_id} from {lease.owner}; the desktop is quarantined"
                 + ("; a new desktop replaces it" if self.provider.replaceable else ""))
 

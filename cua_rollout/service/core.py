@@ -108,18 +108,13 @@ class DesktopService:
         wait_s = min(self.scfg.default_wait_s if request.wait_s is None else request.wait_s,
                      self.scfg.max_wait_s)
         started = time.monotonic()
-        try:
-            await tenant.quota.acquire(wait_s, _RETRY_AFTER_S)
-        except Refusal as refusal:
-            self.metrics.refusals.labels(refusal.code).inc()
-            raise
+        await tenant.quota.acquire(wait_s, _RETRY_AFTER_S)  # over_quota: counted at the edge
         env_id = self.table.new_id()
         try:
             remaining = max(0.0, wait_s - (time.monotonic() - started))
             pool_lease = await self.pool.lease(env_id, remaining)
         except DesktopUnavailable as exc:
             tenant.quota.release()
-            self.metrics.refusals.labels("no_desktop").inc()
             raise Refusal("no_desktop", f"no desktop came free within {wait_s:g} s "
                           f"({one_line(exc)})", retry_after_s=_RETRY_AFTER_S) from exc
         except BaseException:
@@ -274,16 +269,15 @@ class DesktopService:
 
     async def _give_back(self, session: DesktopSession, healthy: bool, to_pool: bool) -> None:
         async with session.lock:
-            if session.lease_token is not None and healthy:
-                try:
-                    await session.env.set_lease_token(None)
-                except DesktopError as exc:  # a desktop that keeps a token is not lent again
-                    log.warning("clearing the lease token of %s failed: %s",
-                                session.desktop_id, exc)
-                    healthy = False
-            await session.close()
-            if to_pool:
-                await self.pool.release(session.lease.lease_id, healthy)
+            await session.close_client_access()
+            if not to_pool:
+                return
+            if session.lease_token is not None:
+                # A desktop that may still take the lease's token is never lent again.
+                await self.pool.release_desktop(
+                    session.desktop_id, "ended, and its lease token could not be cleared")
+                return
+            await self.pool.release(session.lease.lease_id, healthy)
 
     async def _expire_silent(self) -> None:
         every_s = min(_EXPIRY_CHECK_MAX_S, self.scfg.lease_ttl_s / 4)

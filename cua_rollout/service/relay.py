@@ -63,9 +63,12 @@ class Relay:
                 request.method, url, data=self._upload(request) if has_body else None,
                 headers=headers, allow_redirects=False, timeout=timeout)
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise Refusal("desktop_died", f"desktop {session.desktop_id} did not answer the "
-                          f"relayed {request.method} /{path}: {type(exc).__name__}: {exc}"
-                          ) from exc
+            what = (f"desktop {session.desktop_id} did not answer the relayed "
+                    f"{request.method} /{path}: {type(exc).__name__}: {exc}")
+            if await session.env.health():  # this request's failure, not the desktop's
+                raise Refusal("relay_failed", what) from exc
+            raise Refusal("desktop_died", f"{what}; it stopped answering: the lease has "
+                          "ended and the desktop is being replaced") from exc
         self.metrics.relayed_requests.labels(tenant).inc()
         out = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_HEADERS}
         return StreamingResponse(self._download(response), status_code=response.status,

@@ -10,6 +10,7 @@ pool replaces the desktop)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Awaitable, Iterable
 from typing import Any, TypeVar
@@ -35,6 +36,8 @@ from cua_rollout.runtime.pool import Lease
 from cua_rollout.service.failures import Refusal
 
 __all__ = ["ActOutcome", "DesktopSession"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
@@ -87,7 +90,15 @@ class DesktopSession:
                           f"failed on {self.desktop_id}: {one_line(exc)}") from exc
         return self.shot
 
-    async def close(self) -> None:
+    async def close_client_access(self) -> None:
+        """The lease is over: clear its token on the desktop (``lease_token`` stays set when
+        that fails: the desktop may still take it) and close the connection."""
+        if self.lease_token is not None:
+            try:
+                await self.env.set_lease_token(None)
+                self.lease_token = None
+            except DesktopError as exc:
+                log.warning("clearing the lease token of %s failed: %s", self.desktop_id, exc)
         await self.env.close()
 
     # ----------------------------------------------------------------- observations

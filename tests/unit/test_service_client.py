@@ -45,16 +45,29 @@ class _Desktop(FakeDesktop):
     def __init__(self, name: str) -> None:
         super().__init__(size=(1280, 720), name=name)
         self.alive = True
+        self.keeps_token = False
         self.tokens: list[str | None] = []
 
     async def health(self) -> bool:
         return self.alive
 
     async def set_lease_token(self, token: str | None) -> None:
+        if token is None and self.keeps_token:
+            from cua_rollout.core.errors import DesktopError
+            raise DesktopError("cannot clear")
         self.tokens.append(token)
 
     def address(self) -> DesktopAddress:
         return DesktopAddress(f"http://{self.name}")
+
+
+class _LoopbackProvider(FakeProvider):
+    """Fake desktops whose URLs are on loopback, as local desktops' are."""
+
+    async def start(self, index: int) -> Any:
+        desktop = await super().start(index)
+        desktop.url = f"http://127.0.0.1:{7000 + index}"
+        return desktop
 
 
 class _Evaluator:
@@ -69,15 +82,15 @@ class _Evaluator:
 
 
 @contextlib.asynccontextmanager
-async def _service(count: int = 3, ttl_s: float = 30.0, allow: list[str] | None = None
-                   ) -> AsyncIterator[tuple[str, DesktopService, FakeProvider]]:
+async def _service(count: int = 3, ttl_s: float = 30.0, allow: list[str] | None = None,
+                   **service: Any) -> AsyncIterator[tuple[str, DesktopService, FakeProvider]]:
     cfg = service_pool_config(Config.model_validate({
         "desktops": {"count": count, "warm_spares": 0, "token_env": "UNUSED"},
         "service": {"tenants": [{"name": "a", "token_env": "A", "max_leases": 1},
                                 {"name": "b", "token_env": "B", "max_leases": 2}],
                     "lease_ttl_s": ttl_s, "default_wait_s": 0.2, "action_pause_s": 0,
-                    "max_body_bytes": 100_000}}))
-    provider = FakeProvider(desktop_factory=_Desktop)
+                    "max_body_bytes": 100_000, **service}}))
+    provider = _LoopbackProvider(desktop_factory=_Desktop)
     pool = DesktopPool(cfg.desktops, provider)
     await pool.start()
     tenants = Tenants([Tenant("a", "tok-a", 1), Tenant("b", "tok-b", 2)], "tok-op")
@@ -217,6 +230,13 @@ async def test_bad_input_is_a_4xx_with_the_reason_and_disturbs_nothing():
 
             async with s.post(url + "/v1/leases", data=chunks()) as r:
                 assert r.status == 413
+            # A relayed request the desktop does not answer, while it still answers its
+            # health check: that request's failure, the lease lives on.
+            relay_url = f"{url}/v1/leases/{mine.env_id}/desktop/screenshot"
+            async with s.get(relay_url, headers={"Authorization": "Bearer tok-b"}) as r:
+                assert r.status == 502 and (await r.json())["code"] == "relay_failed"
+            async with s.get(relay_url) as r:  # tok-a: another tenant's
+                assert r.status == 403
         # b's lease still works.
         assert (await b.act(mine.env_id, kind="special", code="WAIT")).step == 1
         assert (await b.release(mine.env_id)).released
@@ -269,3 +289,36 @@ async def test_an_address_not_allowed_is_refused():
         assert refused.value.code == "address_not_allowed" and refused.value.status == 403
         async with aiohttp.ClientSession() as s, s.get(url + "/healthz") as r:
             assert r.status == 200 and (await r.json())["ok"]
+
+
+async def test_a_desktop_whose_lease_token_stays_is_not_lent_again():
+    async with _service(count=1) as (url, _, provider), \
+            DesktopServiceClient(url, "tok-a") as a:
+        lease = await a.lease()
+        provider.desktops[lease.desktop_id].keeps_token = True
+        await a.release(lease.env_id)
+        # quarantined and replaced, not reset and lent again with the old token valid
+        again = await a.lease(wait_s=10)
+        assert again.desktop_id != lease.desktop_id
+        assert lease.desktop_id in provider.stopped and lease.desktop_id not in provider.resets
+        await a.release(again.env_id)
+
+
+def test_the_error_message_is_the_services_own_words():
+    from cua_rollout.envs.service_client import service_error
+
+    err = service_error(429, b'{"error": "tenant a holds 1", "code": "over_quota"}',
+                        {"Retry-After": "7"}, where="svc/v1/leases")
+    assert isinstance(err, ServiceUnavailable) and str(err) == "tenant a holds 1"
+    assert err.retry_after_s == 7.0 and err.where == "svc/v1/leases"
+    proxy = service_error(502, b"<html>bad gateway</html>", where="svc/x")
+    assert isinstance(proxy, ServiceUnavailable) and proxy.code is None
+    assert "bad gateway" in str(proxy) and proxy.status == 502
+
+
+async def test_direct_urls_name_the_configured_host_in_place_of_loopback():
+    async with _service(direct_host="desktops.example") as (url, _, _provider), \
+            DesktopServiceClient(url, "tok-a") as a:
+        lease = await a.lease()
+        assert lease.desktop_url.startswith("http://desktops.example:70")
+        await a.release(lease.env_id)

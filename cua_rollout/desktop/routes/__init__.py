@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from cua_rollout.desktop.routes import apps, commands, files, observe, recording
+from cua_rollout.desktop.routes import access, apps, commands, files, observe, recording
 
 __all__ = ["ROUTERS"]
 
@@ -16,5 +16,6 @@ ROUTERS: tuple[APIRouter, ...] = (
     files.router,
     apps.router,
     recording.router,
+    access.router,
 )
 """Every router of the server, to be included in its app."""
