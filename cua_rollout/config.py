@@ -54,6 +54,7 @@ __all__ = [
     "QwenComputerUseConfig",
     "RagToolConfig",
     "RayConfig",
+    "RemoteDesktopsConfig",
     "Removed",
     "RetentionConfig",
     "RunConfig",
@@ -599,6 +600,76 @@ class StaticDesktopsConfig(_Section):
     """How long a failed desktop waits before it is checked again."""
 
 
+class RemoteDesktopsConfig(_Section):
+    """Desktops leased from an environment cluster instead of started by the run
+    (``docs/remote_desktops.md``): each pool desktop is one remote lease (``cua``: our desktop
+    service, ``cua-rollout desktops serve``) or one emulator (``gui-docker-env``: the API of
+    GUI-Docker-Env, DART-GUI's environment manager)."""
+
+    kind: Literal["cua", "gui-docker-env"] = "cua"
+    """Which API the cluster speaks."""
+    urls: list[str] = []
+    """Base URLs of the service, e.g. ``http://envs.example:8700``; a new desktop is asked of
+    each in turn until one grants it (a full quota or no free desktop on one: the next one).
+    Empty with ``gui-docker-env``: the comma list in ``$OSWORLD_BASE_URL``, as their client
+    reads it."""
+    token_env: str | None = None
+    """The variable holding the bearer token the service knows us by (``cua``: the tenant's
+    token, required; ``gui-docker-env``: the quota token; null: ``OSWORLD_TOKEN``, as their
+    client reads it)."""
+    access: Literal["direct", "relay"] | None = None
+    """``cua`` only: reach a desktop's own server directly (with the lease's own token) or
+    through the service (``relay``). Null: the service's default."""
+    wait_s: Annotated[float, Field(ge=0)] = 60.0
+    """How long one new desktop waits for the quota and a free desktop (``cua``: the lease's
+    ``wait_s``; ``gui-docker-env``: a 429 is asked again, with backoff, until then). Past it
+    the pool runs with fewer desktops and its refill asks again later, with backoff."""
+    start_timeout_s: PositiveFloat = 600.0
+    """Deadline of getting one desktop until its server answers (a GUI-Docker-Env emulator
+    boots a VM before ``/start_emulator`` answers), ``wait_s`` included."""
+    request_timeout_s: PositiveFloat = 30.0
+    """Deadline of one other call to the service (heartbeat, release, status)."""
+
+    @model_validator(mode="after")
+    def _fits_its_kind(self) -> RemoteDesktopsConfig:
+        if self.access is not None and self.kind != "cua":
+            raise ValueError(f"desktops.remote.access is for kind cua; {self.kind} desktops "
+                             "are reached directly")
+        for url in self.urls:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"desktops.remote.urls: {url!r} is not an http(s) URL")
+        return self
+
+    def token_var(self) -> str:
+        """The variable the token is read from."""
+        return self.token_env or "OSWORLD_TOKEN"
+
+    def token(self) -> str:
+        """The token (``ConfigError`` naming the key when its variable is unset)."""
+        value = secret_from_env(self.token_var(), "desktops.remote.token_env")
+        assert value is not None
+        return value
+
+    def server_urls(self) -> list[str]:
+        """``urls``, or for ``gui-docker-env`` without them ``$OSWORLD_BASE_URL``'s list
+        (``ConfigError`` when there is none, or one is not a URL)."""
+        urls = [u.rstrip("/") for u in self.urls]
+        if not urls and self.kind == "gui-docker-env":
+            for item in os.environ.get("OSWORLD_BASE_URL", "").split(","):
+                item = item.strip()
+                if item:
+                    urls.append((item if "://" in item else f"http://{item}").rstrip("/"))
+            for url in urls:
+                if not urlsplit(url).hostname:
+                    raise ConfigError(f"$OSWORLD_BASE_URL: {url!r} is not a URL")
+        if not urls:
+            raise ConfigError("desktops.provider is remote: set desktops.remote.urls to the "
+                              "service's URL" + (" (or $OSWORLD_BASE_URL)"
+                                                 if self.kind == "gui-docker-env" else ""))
+        return urls
+
+
 class VerifyConfig(_Section):
     """The check after every reset that a desktop is back in its first state
     (``cua_rollout/envs/verify.py``): a desktop that fails is quarantined and counted."""
@@ -705,8 +776,9 @@ class KubernetesDesktopsConfig(_Section):
 class DesktopsConfig(_Section):
     """The pool of desktops episodes lease."""
 
-    provider: Literal["local", "static", "container", "kubernetes", "vm"] = "local"
-    """Where desktops come from."""
+    provider: Literal["local", "static", "container", "kubernetes", "vm", "remote"] = "local"
+    """Where desktops come from (``remote``: leased from an environment cluster,
+    ``desktops.remote``)."""
     apps: list[str] | None = None
     """The apps the desktops have (OSWorld's names: ``chrome``, ``libreoffice_calc``,
     ``vs_code`` ...): a task naming another in its ``related_apps`` is skipped as not
@@ -792,6 +864,8 @@ class DesktopsConfig(_Section):
     """Settings of the ``kubernetes`` provider."""
     vm: VMDesktopsConfig = VMDesktopsConfig()
     """Settings of the ``vm`` provider."""
+    remote: RemoteDesktopsConfig = RemoteDesktopsConfig()
+    """Settings of the ``remote`` provider."""
 
     @property
     def start_deadline_s(self) -> float:
@@ -800,15 +874,16 @@ class DesktopsConfig(_Section):
         return {"vm": self.vm.boot_timeout_s + self.vm.start_timeout_s,
                 "container": self.container.start_timeout_s,
                 "kubernetes": self.kubernetes.startup_timeout_s,
+                "remote": self.remote.start_timeout_s,
                 }.get(self.provider, self.local.start_timeout_s)
 
     @model_validator(mode="after")
     def _shards_fit(self) -> DesktopsConfig:
         if self.shards is None:
             return self
-        if self.provider not in ("static", "kubernetes"):
+        if self.provider not in ("static", "kubernetes", "remote"):
             raise ValueError(
-                f"desktops.shards is for static and kubernetes desktops; {self.provider} "
+                f"desktops.shards is for static, kubernetes and remote desktops; {self.provider} "
                 "desktops have one pool shard per node that runs them (desktops.node pins "
                 "them to one)")
         desktops = self.count + self.warm_spares
@@ -824,6 +899,14 @@ class DesktopsConfig(_Section):
         if self.provider == "vm" and self.vm.image is None:
             raise ValueError("desktops.provider is vm: set desktops.vm.image to a disk image "
                              "(OSWorld's Ubuntu.qcow2, or scripts/build_vm_image.sh's)")
+        return self
+
+    @model_validator(mode="after")
+    def _remote_complete(self) -> DesktopsConfig:
+        if self.provider == "remote" and self.remote.kind == "cua" \
+                and self.remote.token_env is None:
+            raise ValueError("desktops.remote.kind is cua: set desktops.remote.token_env to "
+                             "the variable holding the tenant's bearer token")
         return self
 
     @model_validator(mode="after")

@@ -46,7 +46,7 @@ from cua_rollout.desktop.protocol import (
     execute_command,
 )
 from cua_rollout.envs import setup_steps
-from cua_rollout.envs.contract import DesktopAddress, StepResult
+from cua_rollout.envs.contract import DesktopAccess, DesktopAddress, StepResult
 
 __all__ = ["RemoteDesktopEnv", "close_shared_client", "lease_client", "shared_client"]
 
@@ -116,6 +116,7 @@ class RemoteDesktopEnv:
         name: str | None = None,
         client: aiohttp.ClientSession | None = None,
         python: str = "python",
+        access: DesktopAccess | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self.cfg = cfg
@@ -123,7 +124,9 @@ class RemoteDesktopEnv:
         self._client = client
         self._owns_client = False
         self._python = python
-        token = secret_from_env(cfg.token_env, "desktops.token_env")
+        access = access or DesktopAccess()
+        # A desktop lent with a token of its own (a remote lease) is reached with that one.
+        token = access.token or secret_from_env(cfg.token_env, "desktops.token_env")
         self._headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._password = (
             secret_from_env(cfg.client_password_env, "desktops.client_password_env")
@@ -134,16 +137,18 @@ class RemoteDesktopEnv:
         # What the task's setup wrote into its cache (``execute``'s stdout/stderr files):
         # this episode's, for the cache_file getter (SetupTarget.task_cache).
         self.task_cache: dict[str, str] = {}
-        self._chromium_port: int | None = None
-        self._vlc_port: int | None = None
-        self._ports_known = False
+        # Ports the provider handed out with the desktop (an emulator's) win over what the
+        # desktop's /ports says: a server in a container knows only its side of a mapping.
+        self._chromium_port: int | None = access.chromium_port
+        self._vlc_port: int | None = access.vlc_port
+        self._ports_known = access.chromium_port is not None and access.vlc_port is not None
 
     @classmethod
-    def for_lease(cls, base_url: str, cfg: DesktopsConfig, *, name: str | None = None
-                  ) -> RemoteDesktopEnv:
+    def for_lease(cls, base_url: str, cfg: DesktopsConfig, *, name: str | None = None,
+                  access: DesktopAccess | None = None) -> RemoteDesktopEnv:
         """A client for one leased desktop with a connection pool of its own
         (``lease_client``), closed by ``close()`` when the episode gives the desktop back."""
-        env = cls(base_url, cfg, name=name, client=lease_client(cfg))
+        env = cls(base_url, cfg, name=name, client=lease_client(cfg), access=access)
         env._owns_client = True
         return env
 
@@ -318,9 +323,9 @@ class RemoteDesktopEnv:
             return
         try:
             reply = await self._json("GET", Paths.PORTS, idempotent=True, retries=0)
-            if isinstance(reply.get("chromium"), int):
+            if isinstance(reply.get("chromium"), int) and self._chromium_port is None:
                 self._chromium_port = reply["chromium"]
-            if isinstance(reply.get("vlc"), int):
+            if isinstance(reply.get("vlc"), int) and self._vlc_port is None:
                 self._vlc_port = reply["vlc"]
         except DesktopError:
             pass

@@ -12,13 +12,13 @@ A leaf module: it imports nothing of the project but the screenshot and tool typ
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 from cua_rollout.core.screenshot import Screenshot
 from cua_rollout.envs.tools import ToolSpec
 
-__all__ = ["DesktopAddress", "DesktopEnv",
+__all__ = ["DesktopAccess", "DesktopAddress", "DesktopEnv",
            "DesktopProbe", "StepResult", "TextEnv", "ToolCall"]
 
 
@@ -124,6 +124,20 @@ class DesktopProbe(Protocol):
     async def run_setup_step(self, step: Mapping[str, Any], index: int = 0) -> None:
         """One OSWorld setup step (evaluators' ``postconfig``)."""
         ...
+
+
+@dataclass(frozen=True)
+class DesktopAccess:
+    """What one desktop needs beyond its URL when a provider hands it out with credentials
+    and ports of its own (a remote lease's bearer token, an emulator's Chromium and VLC
+    ports): it goes from the provider's ``Desktop`` through the pool's ``Lease`` to the
+    desktop's client. Unset fields fall back to the run's ``desktops`` settings
+    (``token_env``, the desktop's ``/ports``, ``chromium_port``, ``vlc_port``). The token
+    never shows in a repr (leases and desktops are logged)."""
+
+    token: str | None = field(default=None, repr=False)
+    chromium_port: int | None = None
+    vlc_port: int | None = None
 
 
 @dataclass(frozen=True)

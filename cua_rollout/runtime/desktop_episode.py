@@ -28,8 +28,10 @@ __all__ = ["DesktopEpisode", "open_leased_desktop", "score_task"]
 
 
 def open_leased_desktop(lease: Lease, cfg: DesktopsConfig) -> DesktopEnv:
-    """The leased desktop's client, with a connection of its own (closed by ``close()``)."""
-    return RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id)
+    """The leased desktop's client, with a connection of its own (closed by ``close()``),
+    and the desktop's own token and ports when its provider gave it some."""
+    return RemoteDesktopEnv.for_lease(lease.url, cfg, name=lease.desktop_id,
+                                      access=lease.access)
 
 
 class DesktopEpisode(Episode):

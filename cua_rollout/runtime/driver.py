@@ -103,6 +103,9 @@ class Rollout:
         # /status's bearer token: read at the start, so an unset variable fails it.
         self._status_token = secret_from_env(cfg.monitoring.status_token_env,
                                              "monitoring.status_token_env")
+        if cfg.desktops.provider == "remote":  # the same for the environment cluster's
+            cfg.desktops.remote.token()
+            cfg.desktops.remote.server_urls()
 
     # ----------------------------------------------------------------- lifecycle
 

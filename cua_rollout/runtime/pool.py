@@ -20,6 +20,7 @@ from cua_rollout.core.aio import TaskSet, backoff_s
 from cua_rollout.core.errors import ConfigError, DesktopError, DesktopUnavailable
 from cua_rollout.core.http import redact_url
 from cua_rollout.envs.client import close_shared_client
+from cua_rollout.envs.contract import DesktopAccess
 from cua_rollout.envs.providers import make_provider
 from cua_rollout.envs.providers.base import Desktop, DesktopProvider
 from cua_rollout.envs.verify import DesktopVerifier
@@ -53,7 +54,8 @@ def pool_actor_name(run_name: str) -> str:
 @dataclass(frozen=True)
 class Lease:
     """A desktop lent to ``owner`` until ``deadline`` (``time.time()`` seconds), by the
-    pool shard named ``shard`` (its release goes back there)."""
+    pool shard named ``shard`` (its release goes back there); ``access``: the desktop's own
+    token and ports, where its provider hands them out (``Desktop.access``)."""
 
     lease_id: str
     desktop_id: str
@@ -61,6 +63,7 @@ class Lease:
     owner: str
     deadline: float
     shard: str = ""
+    access: DesktopAccess | None = None
 
 
 @dataclass(frozen=True)
@@ -250,7 +253,7 @@ class DesktopPool:
         self._set_state(desktop, "leased")
         desktop.leases += 1
         lease = Lease(uuid.uuid4().hex, desktop.id, desktop.url, owner,
-                      time.time() + self.cfg.lease_max_s, self.name)
+                      time.time() + self.cfg.lease_max_s, self.name, desktop.access)
         self._leases[lease.lease_id] = lease
         self.counters["leases"] += 1
         return lease

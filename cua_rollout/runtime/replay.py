@@ -351,7 +351,8 @@ async def play(
     storage = StorageActor(folder, cfg.storage.model_copy(update={"index": False}))
 
     def open_desktop(lease: Lease, desktops: DesktopsConfig) -> _SettlingDesktop:
-        return _SettlingDesktop(RemoteDesktopEnv(lease.url, desktops, name=lease.desktop_id),
+        return _SettlingDesktop(RemoteDesktopEnv(lease.url, desktops, name=lease.desktop_id,
+                                                 access=lease.access),
                                 cfg.runner.action_pause_s, say, figures)
 
     host = _ReplayHost(played, pool, storage, model or ScriptedReplies(replies or []),

@@ -138,6 +138,8 @@ desktops:
        state_dir: /tmp/vms, ready_state_dir: /data/vm-states, boot_timeout_s: 600,
        ready_still_s: 2, start_timeout_s: 60, kernel: /vm/vmlinuz, initrd: /vm/initrd,
        append: console=ttyS0}
+  remote: {kind: cua, urls: ["http://envs:8700"], token_env: ENVS_TOKEN, access: relay,
+           wait_s: 30, start_timeout_s: 300, request_timeout_s: 10}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff: {initial_s: 2,
               max_s: 10}, outage_give_up_s: 600, batch_cutoff: 0.98, batch_grace_s: 30}
@@ -309,6 +311,13 @@ def test_misspelt_key_fails_with_its_path_and_file(tmp_path, text, key):
         ("desktops: {provider: vmware}", "desktops.provider", "'local'"),
         ("desktops: {kubernetes: {reset: restore}}", "desktops.kubernetes.reset",
          "Input should be 'builtin' or 'vm' (got 'restore')"),
+        ("desktops: {remote: {kind: docker}}", "desktops.remote.kind",
+         "'cua' or 'gui-docker-env'"),
+        ("desktops: {remote: {urls: [envs:8700]}}", "desktops.remote",
+         "'envs:8700' is not an http(s) URL"),
+        ("desktops: {remote: {kind: gui-docker-env, access: relay}}", "desktops.remote",
+         "access is for kind cua"),
+        ("desktops: {remote: {wait: 3}}", "desktops.remote.wait", "unknown key"),
         ("storage: {step_files: nfs}", "storage.step_files",
          "Input should be 'auto', 'runner' or 'storage' (got 'nfs')"),
     ],
@@ -598,3 +607,21 @@ def test_kubernetes_vm_reset_needs_a_pod_template():
                              "desktops.kubernetes.pod_template=deploy/kubernetes/"
                              "vm-desktop-pod.yaml"])
     assert cfg.desktops.kubernetes.reset == "vm"
+
+
+def test_remote_desktops_name_their_missing_token_and_urls(tmp_path, monkeypatch):
+    with pytest.raises(ConfigError, match=r"desktops\.remote\.token_env"):
+        load_config(write(tmp_path, "desktops: {provider: remote, remote: {urls: [http://e:1]}}"))
+    cfg = load_config(write(tmp_path, "desktops: {provider: remote, remote: "
+                                      "{kind: gui-docker-env}}"))
+    monkeypatch.delenv("OSWORLD_TOKEN", raising=False)
+    monkeypatch.delenv("OSWORLD_BASE_URL", raising=False)
+    with pytest.raises(ConfigError, match=r"desktops\.remote\.token_env names \$OSWORLD_TOKEN"):
+        cfg.desktops.remote.token()
+    with pytest.raises(ConfigError, match=r"desktops\.remote\.urls .*OSWORLD_BASE_URL"):
+        cfg.desktops.remote.server_urls()
+    # As GUI-Docker-Env's own client reads them: a comma list, with or without a scheme.
+    monkeypatch.setenv("OSWORLD_BASE_URL", "http://10.0.0.1:50003, 10.0.0.2:50003")
+    assert cfg.desktops.remote.server_urls() == ["http://10.0.0.1:50003",
+                                                 "http://10.0.0.2:50003"]
+    assert cfg.desktops.start_deadline_s == cfg.desktops.remote.start_timeout_s

@@ -18,6 +18,7 @@ PROVIDERS: dict[str, str] = {
     "container": "cua_rollout.envs.providers.container:ContainerProvider",
     "kubernetes": "cua_rollout.envs.providers.kubernetes:KubernetesProvider",
     "vm": "cua_rollout.envs.providers.vm:VMProvider",
+    "remote": "cua_rollout.envs.providers.remote:RemoteProvider",
 }
 
 

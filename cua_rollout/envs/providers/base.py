@@ -19,6 +19,7 @@ import psutil
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.errors import DesktopError
 from cua_rollout.envs.client import RemoteDesktopEnv
+from cua_rollout.envs.contract import DesktopAccess
 from cua_rollout.envs.verify import DESKTOP_SCRIPT
 
 __all__ = [
@@ -40,12 +41,15 @@ __all__ = [
 
 @dataclass
 class Desktop:
-    """A desktop the pool owns; ``url`` is its server's base URL."""
+    """A desktop the pool owns; ``url`` is its server's base URL, ``access`` its own token
+    and ports where the provider hands them out per desktop (a remote lease; None: the
+    run's ``desktops`` settings). ``info`` is what operators see (never a secret)."""
 
     id: str
     url: str
     state: str = "starting"  # starting | free | leased | resetting | quarantined | stopped
     info: dict[str, Any] = field(default_factory=dict)
+    access: DesktopAccess | None = None
     leases: int = 0
     failures: int = 0
     last_error: str | None = None
@@ -181,7 +185,7 @@ async def run_desktop_python(cfg: DesktopsConfig, desktop: Desktop, script: str,
                              ) -> str:
     """Run ``script`` with the desktop's ``python3`` (``/execute``); its output.
     ``DesktopError`` naming ``what`` when it fails."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id, access=desktop.access)
     try:
         reply = await env.execute(["python3", "-c", script], timeout_s=cfg.reset_timeout_s)
     finally:
@@ -194,7 +198,7 @@ async def run_desktop_python(cfg: DesktopsConfig, desktop: Desktop, script: str,
 
 async def server_answers(cfg: DesktopsConfig, desktop: Desktop) -> bool:
     """Whether the desktop's server answers now (its health request)."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id, access=desktop.access)
     try:
         return await env.health()
     finally:
@@ -208,7 +212,7 @@ async def wait_serving(cfg: DesktopsConfig, desktop: Desktop, deadline: float, *
     """Wait until a desktop that is starting answers; ``DesktopError`` past ``deadline``
     (``time.monotonic()``) with what ``late()`` adds, or at once when ``gone()`` says why it
     never will (its container exited)."""
-    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id)
+    env = RemoteDesktopEnv(desktop.url, cfg, name=desktop.id, access=desktop.access)
     try:
         while not await env.health():
             if time.monotonic() > deadline:
