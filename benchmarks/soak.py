@@ -89,7 +89,8 @@ from cua_rollout.core.layout import (  # noqa: E402
     STATUS_URL_FILE,
 )
 
-__all__ = ["FIGURES", "QUICK_EPISODES", "SAMPLES", "Size", "dist", "group_of", "main", "soak"]
+__all__ = ["FIGURES", "QUICK_EPISODES", "SAMPLES", "Size", "dist", "group_of", "main", "soak",
+           "wait_steps"]
 
 SAMPLES = 20                       # a sample every N/20 episodes
 RESTARTS_AT = (0.1, 0.5, 1.0)      # kill -9 the driver at these fractions of N, rerun
@@ -405,6 +406,11 @@ class Soak:
         self._t = time.monotonic()
         status.take_window()
 
+    @property
+    def window_start_steps(self) -> int:
+        """The driver's steps when the current window started."""
+        return self._steps
+
     def sample(self, status: StatusWatch, k: int) -> dict[str, Any]:
         """Sample ``k`` (of SAMPLES): levels now, rates over the window since the baseline."""
         driver_pid = self.driver.pid if self.driver else None
@@ -554,6 +560,17 @@ def wait_for(soak: Soak, status: StatusWatch, episodes: int) -> None:
         time.sleep(0.1)
 
 
+def wait_steps(soak: Soak, status: StatusWatch) -> None:
+    """Wait until the driver's /status counts a step since the window started."""
+    deadline = time.monotonic() + soak.size.stall_timeout_s
+    while int(status.last.get("steps") or 0) <= soak.window_start_steps:
+        soak.check_alive("before a step of the window")
+        if time.monotonic() > deadline:
+            raise HarnessError(f"no step counted for {soak.size.stall_timeout_s:.0f} s\n"
+                               f"{soak.tail()}")
+        time.sleep(0.1)
+
+
 def soak(size: Size, keep: bool = False, progress: bool = True) -> dict[str, Any]:
     """Run the soak; everything measured (``error`` and ``traceback`` if the harness
     failed)."""
@@ -601,6 +618,10 @@ def _drive(run: Soak, status: StatusWatch, size: Size, progress: bool) -> None:
     restart_ks = {round(a * SAMPLES) for a in RESTARTS_AT}
     for k in range(1, SAMPLES + 1):
         wait_for(run, status, math.ceil(k * n / SAMPLES))
+        # Steps in every window: after a restart the rerun can start past the next sample's
+        # count (a small N, a loaded machine), and its /status counts steps a while later
+        # than episodes.
+        wait_steps(run, status)
         s = run.sample(status, k)
         if progress:
             print(f"  sample {k}/{SAMPLES}: {s['episodes']} episodes, "
