@@ -62,7 +62,12 @@ def _live_pool(cfg: Config) -> PoolShards | None:
     info = read_json(cfg.run_dir / RUN_FILE) or {}
     if info and info.get("status") != "running":
         return None  # that run ended (its cluster with it)
-    address = cfg.ray.address or info.get("ray_address") or "auto"
+    address = cfg.ray.address or info.get("ray_address")
+    if not address:
+        # No run.json naming its cluster (and no ray.address): no live run of this run
+        # directory. "auto" would attach to any cluster of this host, and a run of another
+        # directory with the same name there would be taken for this one.
+        return None
     try:
         ray.init(address=address, namespace=cfg.ray.namespace, logging_level="ERROR",
                  log_to_driver=False)
