@@ -11,11 +11,6 @@ through (refusing, freezing, slowing)."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -26,7 +21,8 @@ import pytest
 from benchmarks.chaos import COUNTS, QUICK, SCENARIOS, count, recover_s, tasks_for
 from benchmarks.chaos_proxy import FaultProxy
 from benchmarks.sim_world import DesktopSim, SimWorld
-from tests.support import REPO_ROOT
+from tests.support import background
+from tests.support.background import CHAOS_LANES
 
 # ------------------------------------------------------------------ the counting
 
@@ -166,51 +162,23 @@ def test_the_fault_proxy_refuses_freezes_slows_and_comes_back(tmp_path: Path):
 # ------------------------------------------------------------------ the chaos run
 
 
-# The quick run in two lanes at once (two chaos.py processes, disjoint scenarios, about the
-# same wall time each): 15 scenarios one after another took 521 s of CI's 45 minutes. Each
-# scenario has its own run directory, ports, Ray cluster, tmpfs and namespaces; the two
-# scenarios on hosts of their own (namespaces) share a lane. The counts must hold under the
-# other lane's load as they do alone.
-LANES = (("model_down", "replica_killed", "single_replica_reload", "desktops_killed",
-          "desktop_hangs", "storage_killed", "disk_full", "retention_disk_full"),
-         ("driver_killed", "runner_killed", "second_driver", "slow_endpoint", "network_cut",
-          "node_lost", "postgres_restart"))
-
-
 @pytest.fixture(scope="module")
-def chaos(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    assert sorted(n for lane in LANES for n in lane) == sorted(SCENARIOS)
-    work = tmp_path_factory.mktemp("chaos")
-    started = time.monotonic()
-    lanes = []
-    for i, lane in enumerate(LANES):
-        log = (work / f"lane{i}.log").open("w")
-        proc = subprocess.Popen([sys.executable, "benchmarks/chaos.py", "--quick", "--json",
-                                 str(work / f"lane{i}.json"), "--only", *lane],
-                                cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT,
-                                text=True, start_new_session=True)
-        lanes.append((proc, log))
-    try:
-        for proc, _ in lanes:
-            proc.wait(timeout=2400)
-    finally:
-        for proc, log in lanes:
-            if proc.poll() is None:  # a lane past its time: its process group, by its pid
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
-            log.close()
-    for i, (proc, _) in enumerate(lanes):
-        output = (work / f"lane{i}.log").read_text()
-        print(output)
-        assert proc.returncode == 0, output[-4000:]
-    rows = {row["name"]: row for i in range(len(LANES))
-            for row in json.loads((work / f"lane{i}.json").read_text())["scenarios"]}
-    print(f"chaos --quick took {time.monotonic() - started:.0f} s in {len(LANES)} lanes")
+def chaos() -> list[dict[str, Any]]:
+    """The quick run, in two lanes (``tests/support/background.py``: two chaos.py processes
+    with disjoint scenarios, started when the session started)."""
+    assert sorted(n for lane in CHAOS_LANES for n in lane) == sorted(SCENARIOS)
+    rows = {}
+    for key in ("chaos-0", "chaos-1"):
+        done = background.result(key, timeout_s=2400)
+        print(done.stdout)
+        assert done.returncode == 0, (key, done.stdout[-2000:], done.stderr[-4000:])
+        rows.update({row["name"]: row for row in json.loads(done.json.read_text())["scenarios"]})
     return [rows[name] for name in SCENARIOS]
 
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.harness("chaos-0", "chaos-1")
 @pytest.mark.timeout(2400)
 def test_the_quick_chaos_run_loses_duplicates_and_misrecords_nothing(
         chaos: list[dict[str, Any]]):
@@ -229,6 +197,7 @@ def test_the_quick_chaos_run_loses_duplicates_and_misrecords_nothing(
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.harness("chaos-0", "chaos-1")
 @pytest.mark.timeout(2400)
 def test_each_fault_is_met_as_the_service_promises(chaos: list[dict[str, Any]]):
     """Beyond the counts: the fault really happened (requests cut, a desktop frozen, a

@@ -6,16 +6,13 @@ that is what the benchmark is for); and the pieces it names processes and sums f
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from benchmarks.soak import GROUPS, RESTARTS_AT, SAMPLES, dist, group_of, rows, tree_bytes
-from tests.support import REPO_ROOT
+from tests.support import background
 
 # ------------------------------------------------------------------ the pieces
 
@@ -50,20 +47,17 @@ def test_distributions_and_disk_bytes(tmp_path: Path):
 
 
 @pytest.fixture(scope="module")
-def quick(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], str]:
-    out = tmp_path_factory.mktemp("soak") / "soak.json"
-    started = time.monotonic()
-    done = subprocess.run([sys.executable, "benchmarks/soak.py", "--quick", "--json",
-                           str(out)], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=1200, check=False)
+def quick() -> tuple[dict[str, Any], str]:
+    """The quick run (``tests/support/background.py``: started when the session started)."""
+    done = background.result("soak", timeout_s=1200)
     assert done.returncode == 0, (done.stdout[-3000:], done.stderr[-4000:])
     print(done.stdout)
-    print(f"soak --quick took {time.monotonic() - started:.0f} s")
-    return json.loads(out.read_text()), done.stdout
+    return json.loads(done.json.read_text()), done.stdout
 
 
 @pytest.mark.integration
 @pytest.mark.slow
+@pytest.mark.harness("soak")
 @pytest.mark.timeout(1200)
 def test_the_quick_soak_measures_every_figure(quick: tuple[dict[str, Any], str]):
     result, stdout = quick
