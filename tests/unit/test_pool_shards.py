@@ -120,7 +120,7 @@ def test_the_default_shard_count_gives_small_runs_one_shard():
 
 
 @pytest.mark.parametrize("settings, error", [
-    ({"provider": "local", "shards": 2}, "desktops.shards is for static and kubernetes"),
+    ({"provider": "local", "shards": 2}, "desktops.shards is for static, kubernetes and remote"),
     ({"provider": "static", "shards": 3, "count": 5, "static": {"urls": ["http://a:1",
                                                                           "http://b:1"]}},
      "desktops.shards 3 is more than the run's 2 desktops"),
