@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from cua_rollout.service.failures import Refusal
@@ -38,7 +38,6 @@ class LeaseEntry:
     busy: int = 0                # calls in progress: the lease does not expire under them
     steps: int = 0
     ended: str | None = None     # why it ended (released, expired, desktop died ...)
-    touched: float = field(default=0.0)
 
 
 class LeaseTable:
@@ -63,7 +62,7 @@ class LeaseTable:
 
     def add(self, env_id: str, tenant: str, label: str = "") -> LeaseEntry:
         now = self._clock()
-        entry = LeaseEntry(env_id, tenant, label, now, now + self.ttl_s, touched=now)
+        entry = LeaseEntry(env_id, tenant, label, now, now + self.ttl_s)
         self._leases[env_id] = entry
         return entry
 
@@ -84,9 +83,7 @@ class LeaseTable:
 
     def touch(self, entry: LeaseEntry) -> float:
         """The lease was heard from: its expiry moves on."""
-        now = self._clock()
-        entry.touched = now
-        entry.expires_at = now + self.ttl_s
+        entry.expires_at = self._clock() + self.ttl_s
         return entry.expires_at
 
     def remove(self, env_id: str, why: str) -> LeaseEntry | None:
