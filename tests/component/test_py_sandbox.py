@@ -415,6 +415,9 @@ async def test_a_killed_snippet_leaves_no_process_behind(tmp_path: Path):
         "time.sleep(1000)\n")
     async with opened(tmp_path, limits) as box:
         with runner_unchanged():
+            # The suite's background harnesses are children of this process too: only what
+            # this run starts (its direct children, new since now, and theirs) is its tree.
+            earlier = {proc.pid for proc in psutil.Process().children()}
             task = asyncio.create_task(box.run(code))
             seen: dict[int, psutil.Process] = {}
 
@@ -424,8 +427,11 @@ async def test_a_killed_snippet_leaves_no_process_behind(tmp_path: Path):
                 return len(seen) >= 6  # python, sleep, sh, sleep x2, daemon
 
             await until(tree_up, timeout_s=limits.timeout_s)
-            descendants = psutil.Process().children(recursive=True)
+            descendants = [proc for child in psutil.Process().children()
+                           if child.pid not in earlier
+                           for proc in (child, *child.children(recursive=True))]
             groups = {proc.pid: os.getpgid(proc.pid) for proc in seen.values()}
+            assert descendants  # bwrap at least
             run = await task
         assert run.killed == "timeout" and run.stdout == "ready\n"
         # Everything the snippet started, and bwrap itself, is gone the moment run() returns.
