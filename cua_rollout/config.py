@@ -629,6 +629,10 @@ class RemoteDesktopsConfig(_Section):
     boots a VM before ``/start_emulator`` answers), ``wait_s`` included."""
     request_timeout_s: PositiveFloat = 30.0
     """Deadline of one other call to the service (heartbeat, release, status)."""
+    state_dir: Path = Path(".remote_desktops")
+    """``gui-docker-env``: a record per emulator the runs of this machine hold. Their
+    managers never expire an emulator, so a run's start stops those of runs that are gone
+    (killed with SIGKILL, a crash) before it takes its own."""
 
     @model_validator(mode="after")
     def _fits_its_kind(self) -> RemoteDesktopsConfig:

@@ -60,9 +60,20 @@ def manager(tmp_path, token):
         yield m
 
 
+@pytest.fixture(autouse=True)
+def ledger(tmp_path, monkeypatch) -> Path:
+    """Each test's own record of the emulators it holds (desktops.remote.state_dir)."""
+    monkeypatch.setattr(sys.modules[__name__], "LEDGER", tmp_path / "ledger")
+    return tmp_path / "ledger"
+
+
+LEDGER = Path("unset")
+
+
 def _cfg(*urls: str, **kw) -> DesktopsConfig:
     remote = {"kind": "gui-docker-env", "urls": list(urls), "token_env": TOKEN_VAR,
-              "wait_s": 3, "start_timeout_s": 120, **kw.pop("remote", {})}
+              "wait_s": 3, "start_timeout_s": 120, "state_dir": str(LEDGER),
+              **kw.pop("remote", {})}
     base = dict(provider="remote", count=1, warm_spares=0, screen_width=1280,
                 screen_height=720, lease_timeout_s=60, reset_timeout_s=120,
                 health_interval_s=0.5, remote=remote)
@@ -178,6 +189,73 @@ async def test_a_reset_cut_by_its_deadline_gives_back_what_it_brings_later(manag
     assert manager.running() == [] and manager.usage["alpha"]["current"] == 0
 
 
+# A run of its own that holds one emulator until it is killed (its pool's provider).
+_HOLDER = """
+import asyncio, json, sys, time
+from cua_rollout.config import DesktopsConfig
+from cua_rollout.envs.providers.remote import RemoteProvider
+
+async def main():
+    provider = RemoteProvider(DesktopsConfig(**json.loads(sys.argv[1])))
+    desktop = await provider.start(0)
+    print(desktop.info["emulator_id"], flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+def _holder(cfg: DesktopsConfig, holders: list[subprocess.Popen[str]]
+            ) -> tuple[subprocess.Popen[str], str]:
+    proc = subprocess.Popen([sys.executable, "-c", _HOLDER, cfg.model_dump_json()],
+                            cwd=REPO_ROOT, stdout=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONPATH": str(REPO_ROOT)})
+    holders.append(proc)
+    assert proc.stdout is not None
+    emulator_id = proc.stdout.readline().strip()
+    assert emulator_id, f"the holder ended with {proc.wait(60)}"
+    return proc, emulator_id
+
+
+async def test_emulators_of_a_run_killed_with_sigkill_are_stopped_by_the_next_run(
+        manager, token, ledger):
+    """GUI-Docker-Env never expires an emulator: the next run's start stops those a dead run
+    of this machine recorded (their quota is freed before it takes its own), and leaves a
+    live run's alone; what cannot be stopped now keeps its record for later."""
+    manager.tokens[token] = 3
+    cfg = _cfg(manager.url)
+    holders: list[subprocess.Popen[str]] = []
+    try:
+        dead, dead_id = _holder(cfg, holders)
+        _, live_id = _holder(cfg, holders)
+        dead.kill()  # SIGKILL: nothing of it runs to stop its emulator
+        dead.communicate(timeout=30)
+        assert sorted(manager.running()) == sorted([dead_id, live_id])
+        assert len(list(ledger.glob("*.json"))) == 2
+        (ledger / "junk.json").write_text("[1, 2]")  # not a record: named, left alone
+
+        provider = RemoteProvider(cfg)
+        desktop = await provider.start(0)
+        try:
+            assert provider.backend.stale_stopped == [dead_id]
+            assert sorted(manager.running()) == sorted([live_id, desktop.info["emulator_id"]])
+            assert len(list(ledger.glob("*.json"))) == 3  # live, ours, the junk
+        finally:
+            await provider.stop(desktop)
+            await provider.close()
+        assert manager.running() == [live_id]
+    finally:
+        for proc in holders:
+            proc.kill()
+            proc.communicate(timeout=30)
+    # The manager cannot be reached: the dead run's record stays for a later run.
+    manager.stop()
+    provider = RemoteProvider(cfg)
+    assert await provider.backend.sweep() == []
+    await provider.close()
+    assert len(list(ledger.glob("*.json"))) == 2  # the live run (now dead) and the junk
+
+
 def test_the_demo_through_run_py_on_gui_docker_env_emulators(tmp_path, token):
     """The demo as users run it, its desktops emulators of the stand-in. Another
     client holds one of the token's two slots while the run starts and its first episodes
@@ -199,6 +277,7 @@ def test_the_demo_through_run_py_on_gui_docker_env_emulators(tmp_path, token):
                   "desktops.remote.kind=gui-docker-env",
                   f"desktops.remote.urls={json.dumps([manager.url])}",
                   f"desktops.remote.token_env={TOKEN_VAR}", "desktops.remote.wait_s=5",
+                  f"desktops.remote.state_dir={LEDGER}",
                   "ray.include_dashboard=false", f"tasks.task_ids={json.dumps(tasks)}"):
             args += ["--set", s]
         proc = subprocess.Popen(args, cwd=REPO_ROOT, stdout=subprocess.DEVNULL,

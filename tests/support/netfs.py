@@ -123,18 +123,25 @@ class SftpExport:
             f"root@{self.hosts.ip[self.host]}:{self.directory}", self.directory),
             self._env())
         self.mounted.append(client)
+        # The client sees this machine's files at the same path, so a read there proves the
+        # mount only once the mount is there: wait for it first (sshfs is slow under load).
+        wait_for(f"the sshfs mount on {client}",
+                 lambda: self._fstype_on(client) == "fuse.sshfs", 30, self.procs,
+                 [f"sshfs-{client}"], poll_s=0.2)
         canary = self.directory / f".mounted-{client}"
         canary.write_text(client)
         try:
-            wait_for(f"the sshfs mount on {client}",
+            wait_for(f"a file read over the sshfs mount on {client}",
                      lambda: self._read_on(client, canary) == client, 30, self.procs,
                      [f"sshfs-{client}"], poll_s=0.2)
         finally:
             canary.unlink()
-        fstype = sh(*self.hosts.argv(client, "findmnt", "-n", "-o", "FSTYPE", "-M",
-                                     self.directory)).strip()
-        if fstype != "fuse.sshfs":
-            raise AssertionError(f"{self.directory} on {client} is {fstype!r}, not sshfs")
+
+    def _fstype_on(self, client: str) -> str | None:
+        done = subprocess.run(self.hosts.argv(client, "findmnt", "-n", "-o", "FSTYPE", "-M",
+                                              self.directory),
+                              capture_output=True, text=True, timeout=30, check=False)
+        return done.stdout.strip() if done.returncode == 0 else None
 
     def _env(self) -> dict[str, str]:
         return {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "HOME": str(self.workdir)}

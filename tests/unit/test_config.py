@@ -139,7 +139,8 @@ desktops:
        ready_still_s: 2, start_timeout_s: 60, kernel: /vm/vmlinuz, initrd: /vm/initrd,
        append: console=ttyS0}
   remote: {kind: cua, urls: ["http://envs:8700"], token_env: ENVS_TOKEN, access: relay,
-           wait_s: 30, start_timeout_s: 300, request_timeout_s: 10}
+           wait_s: 30, start_timeout_s: 300, request_timeout_s: 10,
+           state_dir: /var/lib/cua/remote}
 coordinator: {max_concurrent_episodes: 64, episodes_per_runner: 16, schedule: batch,
               max_retries: 3, runner_num_cpus: 0.5, outage_backoff: {initial_s: 2,
               max_s: 10}, outage_give_up_s: 600, batch_cutoff: 0.98, batch_grace_s: 30}
@@ -231,6 +232,7 @@ def test_every_section_and_key_loads_from_yaml(tmp_path):
     assert cfg.desktops.accounts_dir == Path("/data/osworld/settings")
     assert cfg.desktops.verify.enabled is False and cfg.desktops.verify.home_depth == 3
     assert cfg.desktops.static.reset == "command"
+    assert cfg.desktops.remote.state_dir == Path("/var/lib/cua/remote")
     assert cfg.evaluation.engine == "osworld" and cfg.evaluation.worker_start_timeout_s == 30
     assert cfg.storage.fsync is True and cfg.monitoring.metrics_interval_s == 1
     assert cfg.storage.step_files == "storage"

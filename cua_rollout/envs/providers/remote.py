@@ -9,20 +9,25 @@ from __future__ import annotations
 import abc
 import asyncio
 import contextlib
+import hashlib
+import json
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Any
 
 from cua_rollout.config import DesktopsConfig
 from cua_rollout.core.aio import TaskSet
 from cua_rollout.core.errors import DesktopError
+from cua_rollout.core.files import read_json, write_atomic
 from cua_rollout.core.http import redact_url
 from cua_rollout.envs.contract import DesktopAccess
 from cua_rollout.envs.gui_docker_env import Emulator, GuiDockerEnvClient
 from cua_rollout.envs.providers.base import (
     Desktop,
     DesktopProvider,
+    run_is_gone,
     run_label,
     server_answers,
     wait_serving,
@@ -137,18 +142,93 @@ class _Service(_Backend):
             await client.close()
 
 
+class _Ledger:
+    """The emulators the runs of this machine hold: a JSON file each in
+    ``desktops.remote.state_dir``, written when a manager grants one and removed once it is
+    stopped. A run killed with SIGKILL leaves its records; the next run's start finds those
+    whose run is gone (``run_is_gone``: a process of this host that no longer runs) and
+    stops their emulators, which their managers would never expire."""
+
+    def __init__(self, directory: Path, run: str) -> None:
+        self.dir = directory
+        self.run = run
+
+    def _path(self, emu: Emulator) -> Path:
+        key = hashlib.sha256(f"{emu.manager} {emu.emulator_id}".encode()).hexdigest()[:20]
+        return self.dir / f"{key}.json"
+
+    def record(self, emu: Emulator) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_atomic(self._path(emu), json.dumps({"run": self.run, **asdict(emu)}).encode(),
+                     mode=0o600)
+
+    def forget(self, emu: Emulator) -> None:
+        self._path(emu).unlink(missing_ok=True)
+
+    def stale(self) -> list[Emulator]:
+        """Emulators recorded by runs that are gone. A record that cannot be read is named
+        in the log and left alone (it is never taken for a run's)."""
+        found: list[Emulator] = []
+        for path in sorted(self.dir.glob("*.json")) if self.dir.is_dir() else []:
+            body = read_json(path)
+            try:
+                run = body.pop("run")
+                emu = Emulator(**body)
+            except (AttributeError, KeyError, TypeError):
+                log.warning("%s is not an emulator record; left alone", path)
+                continue
+            if run_is_gone(run):
+                found.append(emu)
+        return found
+
+
 class _Managers(_Backend):
     """Emulators of GUI-Docker-Env managers: started under the token's quota, stopped by
-    us. Their managers never expire an emulator: a run that dies without stopping its
-    emulators leaves them running (docs/remote_desktops.md)."""
+    us. Their managers never expire an emulator, so each one we hold is recorded
+    (``_Ledger``) until it is stopped, and the first start stops those of dead runs."""
 
-    def __init__(self, cfg: DesktopsConfig, urls: list[str], token: str) -> None:
+    def __init__(self, cfg: DesktopsConfig, urls: list[str], token: str, run: str) -> None:
         self.r = cfg.remote
         self.client = GuiDockerEnvClient(urls, token, timeout_s=self.r.request_timeout_s,
                                          start_timeout_s=self.r.start_timeout_s)
+        self.ledger = _Ledger(self.r.state_dir, run)
+        self._swept: asyncio.Future[list[str]] | None = None
+        self.stale_stopped: list[str] = []
+
+    async def sweep(self) -> list[str]:
+        """Stop the emulators of runs that are gone (each once per provider; every start
+        waits for it, so what it frees counts for this run's quota). The ids stopped; one
+        that cannot be stopped now keeps its record for the next run."""
+        if self._swept is None:
+            self._swept = asyncio.ensure_future(self._sweep())
+        return await asyncio.shield(self._swept)
+
+    async def _sweep(self) -> list[str]:
+        stopped: list[str] = []
+        for emu in self.ledger.stale():
+            try:
+                await self.client.stop(emu)
+            except DesktopError as exc:
+                log.warning("an emulator of a run that is gone could not be stopped (its "
+                            "record stays for the next run): %s", exc)
+                continue
+            self.ledger.forget(emu)
+            stopped.append(emu.emulator_id)
+        if stopped:
+            log.warning("stopped %d emulator(s) of runs that are gone: %s", len(stopped),
+                        ", ".join(stopped))
+        self.stale_stopped = stopped
+        return stopped
 
     async def take(self, label: str) -> _Held:
+        await self.sweep()
         emu = await self.client.start(wait_s=self.r.wait_s)
+        try:
+            self.ledger.record(emu)
+        except OSError as exc:  # unrecorded, a kill -9 would leak it: not kept
+            await self.client.stop(emu)
+            raise DesktopError(f"desktops.remote.state_dir {self.ledger.dir}: cannot record "
+                               f"emulator {emu.emulator_id} ({exc}); it was stopped") from exc
         return _Held(emu.emulator_id, emu.desktop_url,
                      DesktopAccess(chromium_port=emu.chromium_port, vlc_port=emu.vlc_port),
                      {"manager": redact_url(emu.manager), "emulator_id": emu.emulator_id,
@@ -159,12 +239,15 @@ class _Managers(_Backend):
     async def give_back(self, held: _Held) -> None:
         assert held.emulator is not None
         await self.client.stop(held.emulator)
+        self.ledger.forget(held.emulator)
 
     async def alive(self, held: _Held) -> bool | None:
         assert held.emulator is not None
         return await self.client.running(held.emulator)
 
     async def close(self) -> None:
+        if self._swept is not None and not self._swept.done():
+            self._swept.cancel()
         await self.client.close()
 
 
@@ -191,12 +274,12 @@ class RemoteProvider(DesktopProvider):
     def __init__(self, cfg: DesktopsConfig) -> None:
         self.cfg = cfg
         urls, token = cfg.remote.server_urls(), cfg.remote.token()
+        self._label = run_label()
         self.backend: _Backend = (_Service(cfg, urls, token) if cfg.remote.kind == "cua"
-                                  else _Managers(cfg, urls, token))
+                                  else _Managers(cfg, urls, token, self._label))
         self._held: dict[str, _Held] = {}
         self._unreturned: list[_Held] = []   # give-backs that failed: tried again at close
         self._late = TaskSet()               # takes whose caller stopped waiting
-        self._label = run_label()
 
     async def start(self, index: int) -> Desktop:
         desktop_id = f"remote-{index}"
