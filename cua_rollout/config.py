@@ -10,7 +10,9 @@ moved keys follow it.
 
 from __future__ import annotations
 
+import argparse
 import os
+import sys
 import types
 import typing
 from pathlib import Path
@@ -70,6 +72,8 @@ __all__ = [
     "VMDesktopsConfig",
     "VerifyConfig",
     "WebToolConfig",
+    "add_config_arguments",
+    "config_from_args",
     "load_config",
     "secret_from_env",
     "status_bind",
@@ -1717,6 +1721,28 @@ def load_config(path: str | os.PathLike[str] | None, overrides: list[str] | None
         return Config.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_format_errors(exc, where, overrides or [])) from None
+
+
+def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = True,
+                         default: str | None = None) -> None:
+    """The ``--config`` and ``--set`` options every command of the project shares (optional
+    when ``required`` is false: ``default``, or the defaults when that is None)."""
+    parser.add_argument("--config", "-c", required=required, default=default,
+                        help="YAML config file" + (f" (default: {default or 'the defaults'})"
+                                                   if not required else ""))
+    parser.add_argument(
+        "--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+        help="override a config key, e.g. --set coordinator.max_concurrent_episodes=16")
+
+
+def config_from_args(args: argparse.Namespace, prog: str = "") -> Config:
+    """The config ``add_config_arguments``' options name, or exit 2 with the error on
+    stderr."""
+    try:
+        return load_config(args.config, args.overrides)
+    except ConfigError as exc:
+        print(f"{prog + ': ' if prog else ''}config error: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def _format_errors(exc: ValidationError, where: str, overrides: list[str]) -> str:

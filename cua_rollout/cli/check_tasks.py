@@ -24,7 +24,7 @@ from pathlib import Path
 from rich.console import Console
 from rich.table import Table
 
-from cua_rollout.config import load_config
+from cua_rollout.config import add_config_arguments, load_config
 from cua_rollout.core.errors import ConfigError
 from cua_rollout.evaluation.preflight import CheckedTask, TaskChecker, coverage
 from cua_rollout.runtime.launch import absolute_paths
@@ -41,9 +41,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("tasks", type=Path, help="task list JSON, JSONL file or folder")
     parser.add_argument("--examples-dir", type=Path, default=None,
                         help="folder of the task files (default: <task list's folder>/examples)")
-    parser.add_argument("--config", "-c", default=None, help="YAML config (default: defaults)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key")
+    add_config_arguments(parser, required=False)
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     return parser
 

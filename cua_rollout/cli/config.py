@@ -7,7 +7,7 @@ import argparse
 
 import yaml
 
-from cua_rollout.cli.common import add_config_arguments, config_from_args
+from cua_rollout.config import add_config_arguments, config_from_args
 
 __all__ = ["main"]
 

@@ -35,8 +35,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from cua_rollout.cli.common import config_from_args
-from cua_rollout.config import Config
+from cua_rollout.config import Config, add_config_arguments, config_from_args
 from cua_rollout.core.errors import ConfigError, DesktopError, RolloutError
 from cua_rollout.core.files import read_json
 from cua_rollout.core.layout import RUN_FILE
@@ -160,10 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("desktop", nargs="?", help="the desktop's id (release, quarantine, "
                         "remove)")
     parser.add_argument("--json", action="store_true", help="status: print JSON")
-    parser.add_argument("--config", "-c", help="YAML config file (a run's, or the service's "
-                        "to serve)")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key")
+    add_config_arguments(parser, required=False)  # a run's
     parser.add_argument("--service", metavar="URL", help="a desktop service instead of a run")
     parser.add_argument("--token-env", default=_SERVICE_TOKEN_ENV, metavar="NAME",
                         help="--service: the variable holding the operator's token (default "

@@ -27,8 +27,8 @@ import logging
 import sys
 from pathlib import Path
 
-from cua_rollout.cli.common import add_config_arguments, config_from_args
 from cua_rollout.cli.fleet import cmd_make_tiny_vlm, cmd_reload, cmd_serve, cmd_status
+from cua_rollout.config import add_config_arguments, config_from_args
 
 __all__ = ["main"]
 

@@ -23,8 +23,7 @@ from typing import Any
 
 from ray.exceptions import RayError
 
-from cua_rollout.cli.common import add_config_arguments, config_from_args
-from cua_rollout.config import Config
+from cua_rollout.config import Config, add_config_arguments, config_from_args
 from cua_rollout.core.errors import ConfigError, FatalSetupError, InfraError, ModelUnavailable
 from cua_rollout.results import print_table
 from cua_rollout.runtime.driver import Rollout

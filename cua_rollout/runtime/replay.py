@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 from PIL import Image, ImageChops, ImageDraw
 
 from cua_rollout.agents.base import Agent, Decision
-from cua_rollout.config import Config, DesktopsConfig, load_config
+from cua_rollout.config import Config, DesktopsConfig, add_config_arguments, load_config
 from cua_rollout.core.aio import TaskSet
 from cua_rollout.core.errors import ActionParseError
 from cua_rollout.core.screenshot import Screenshot
@@ -412,7 +412,7 @@ async def _main(args: argparse.Namespace) -> int:
     state_dir = Path(tempfile.mkdtemp(prefix="rp-", dir="/tmp"))
     cfg = load_config(args.config, [
         "desktops.provider=local", "desktops.count=1", "desktops.warm_spares=0",
-        f"desktops.local.state_dir={state_dir}", *args.set])
+        f"desktops.local.state_dir={state_dir}", *args.overrides])
     cfg = with_upload_root(cfg, Path.cwd())
     replies = [NOTHING] if args.nothing else task.get("reference_solution") or [NOTHING]
     pool = DesktopPool(cfg.desktops)
@@ -433,14 +433,12 @@ async def _main(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("task", help="a task file (OSWorld format)")
-    parser.add_argument("--config", default="configs/osworld_demo.yaml")
+    add_config_arguments(parser, required=False, default="configs/osworld_demo.yaml")
     parser.add_argument("--nothing", action="store_true",
                         help="play only finished(): the untouched desktop's score")
     parser.add_argument("--shots", type=Path,
                         help="write the episode's directory (traj.jsonl, screenshots) here")
     parser.add_argument("--hold", action="store_true", help="keep the desktop after scoring")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override (repeatable)")
     args = parser.parse_args(argv)
     # Ctrl-C, SIGINT or SIGTERM end a run (a --hold) cleanly: the desktop stopped, its
     # folder removed. A shell's background job starts with SIGINT ignored: handle it anyway.

@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any
 
-from cua_rollout.config import Config, load_config
+from cua_rollout.config import Config, add_config_arguments, config_from_args
 from cua_rollout.core.errors import ConfigError, RolloutError
 from cua_rollout.core.http import reachable_host
 from cua_rollout.runtime.pool import DesktopPool
@@ -109,14 +109,11 @@ def _stop_serving(server: Any, signum: int) -> None:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cua-rollout desktops serve",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--config", "-c", required=True, help="YAML config file")
-    parser.add_argument("--set", dest="overrides", action="append", default=[],
-                        metavar="KEY=VALUE", help="override a config key")
-    args = parser.parse_args(argv)
+    add_config_arguments(parser)
+    cfg = config_from_args(parser.parse_args(argv))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     try:
-        cfg = load_config(args.config, args.overrides)
         asyncio.run(serve(cfg))
     except ConfigError as exc:
         print(f"config error: {exc}", file=sys.stderr)
