@@ -15,7 +15,8 @@ import asyncio
 import logging
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -68,18 +69,41 @@ _COMMAND_KILL_MARGIN_S = 2.0
 
 # --------------------------------------------------------------------------- shared client
 
-_CLIENTS: dict[int, tuple[asyncio.AbstractEventLoop, aiohttp.ClientSession]] = {}
+@dataclass
+class _Shared:
+    loop: asyncio.AbstractEventLoop
+    session: aiohttp.ClientSession
+    closer: AsyncGenerator[None, None]   # closes the session at its loop's shutdown
+    started: asyncio.Future[None]
+
+
+_CLIENTS: dict[int, _Shared] = {}
 
 
 def shared_client(max_connections: int) -> aiohttp.ClientSession:
-    """The process's session for desktops on the running loop (created on first use)."""
+    """The process's session for desktops on the running loop (created on first use). It is
+    closed by ``close_shared_client``, or else when its loop shuts down (``asyncio.run`` and
+    ``asyncio.Runner`` close a loop's async generators before the loop), so a loop that ends
+    without the call leaves no open session behind."""
     loop = asyncio.get_running_loop()
     entry = _CLIENTS.get(id(loop))
-    if entry is None or entry[0] is not loop or entry[1].closed:
+    if entry is None or entry.loop is not loop or entry.session.closed:
+        for key in [k for k, e in _CLIENTS.items() if e.loop.is_closed()]:
+            del _CLIENTS[key]  # closed with their loops
         session = hot_session(max_connections)
-        _CLIENTS[id(loop)] = (loop, session)
+        closer = _closed_at_shutdown(session)
+        # Its first step registers it with the loop (the loop's async generator hook).
+        started = asyncio.ensure_future(closer.__anext__())
+        _CLIENTS[id(loop)] = _Shared(loop, session, closer, started)
         return session
-    return entry[1]
+    return entry.session
+
+
+async def _closed_at_shutdown(session: aiohttp.ClientSession) -> AsyncGenerator[None, None]:
+    try:
+        yield
+    finally:
+        await session.close()
 
 
 def lease_client(cfg: DesktopsConfig) -> aiohttp.ClientSession:
@@ -93,7 +117,8 @@ async def close_shared_client() -> None:
     """Close this loop's shared session (at actor or test shutdown)."""
     entry = _CLIENTS.pop(id(asyncio.get_running_loop()), None)
     if entry is not None:
-        await entry[1].close()
+        await entry.started
+        await entry.closer.aclose()  # closes the session
 
 
 # --------------------------------------------------------------------------- the client

@@ -10,6 +10,7 @@ import asyncio
 import socket
 from collections.abc import AsyncIterator
 
+import aiohttp
 import pytest
 from aiohttp import web
 
@@ -200,3 +201,28 @@ async def test_proxies_come_from_the_environment(server: Server, monkeypatch) ->
         monkeypatch.delenv("NO_PROXY")
         http._env_proxies.cache_clear()
         http._proxy_for.cache_clear()
+
+
+def test_the_shared_session_is_one_per_loop_and_closed_with_its_loop():
+    """``shared_client``: one session per loop; ``close_shared_client`` closes it, and a
+    loop that ends without that call (a test's, a tool's ``asyncio.run``) closes it at its
+    shutdown rather than leaving an open session to the end of the process."""
+    from cua_rollout.envs.client import _CLIENTS, close_shared_client, shared_client
+
+    async def used() -> aiohttp.ClientSession:
+        session = shared_client(4)
+        assert shared_client(4) is session
+        return session
+
+    async def closed() -> aiohttp.ClientSession:
+        session = shared_client(4)
+        await close_shared_client()
+        assert shared_client(4) is not session  # a new one after the close
+        return session
+
+    left = asyncio.run(used())
+    assert left.closed
+    assert asyncio.run(closed()).closed
+    asyncio.run(used())
+    assert not any(entry.loop.is_closed() and not entry.session.closed
+                   for entry in _CLIENTS.values())
