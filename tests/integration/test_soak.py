@@ -79,7 +79,10 @@ def test_the_quick_soak_measures_every_figure(quick: tuple[dict[str, Any], str])
         # CPU per step over a window with steps in it, for every group.
         assert s["steps_in_window"] > 0, where
         cpu = s["cpu_ms_per_step"]
-        assert cpu["total"] > 0 and cpu["driver"] > 0 and cpu["TrajectoryRunner"] > 0, where
+        assert cpu["total"] > 0 and cpu["TrajectoryRunner"] > 0, where
+        # The kernel counts CPU time in 10 ms ticks: the driver, polling twice a second, may
+        # not reach one in a short window under load (0 then), but does over the run.
+        assert cpu["driver"] >= 0, where
         assert s["episodes_per_s"] > 0, where
         # The driver's loop was seen pass by pass.
         for key in ("poll_s", "pass_s"):
@@ -88,6 +91,7 @@ def test_the_quick_soak_measures_every_figure(quick: tuple[dict[str, Any], str])
         assert disk["run_dir"] > 0 and disk["results_jsonl"] > 0, where
         assert disk["index"] > 0 and disk["ray_logs"] > 0, where
         assert s["load"] > 0, where
+    assert sum(s["cpu_ms_per_step"]["driver"] for s in samples) > 0
     # Levels grow in the run dir as episodes are recorded.
     assert samples[-1]["disk_mb"]["results_jsonl"] > samples[1]["disk_mb"]["results_jsonl"]
     restarts = result["restarts"]

@@ -228,7 +228,10 @@ def ray_env(**extra: str) -> dict[str, str]:
                 # Workers stay in their node's process group (Ray gives each its own by
                 # default): ending the group ends the whole node at once, as a machine that
                 # dies, and nothing of it outlives the test.
-                "RAY_process_group_cleanup_enabled": "0", **extra})
+                "RAY_process_group_cleanup_enabled": "0",
+                # A node told to stop (SIGTERM) stops now: Ray's default first drains it
+                # for up to 30 s (for Serve), which a test's head node waits out in full.
+                "RAY_GRACEFUL_SHUTDOWN_DRAIN_TIMEOUT_S": "0", **extra})
     return env
 
 
