@@ -423,8 +423,8 @@ def _wait_results(run: subprocess.Popen[Any], run_dir: Path, count: int,
 
 def test_the_demo_through_run_py_on_leases_of_our_desktop_service(tmp_path):
     """run.py with ``kind: cua`` against the real service (a subprocess on local desktops):
-    the whole demo, every episode scored, and when the run has ended the service holds no
-    lease of it."""
+    the whole demo (every task once), every episode scored, and when the run has ended the
+    service holds no lease of it."""
     tasks = [json.loads(p.read_text())["id"]
              for p in sorted((REPO_ROOT / "tasks" / "demo" / "examples").glob("*/*.json"))]
     env = _service_env()
@@ -435,12 +435,13 @@ def test_the_demo_through_run_py_on_leases_of_our_desktop_service(tmp_path):
         for s in (f"run.output_dir={tmp_path / 'results'}", "desktops.provider=remote",
                   "desktops.remote.kind=cua", f"desktops.remote.urls={json.dumps([url])}",
                   f"desktops.remote.token_env={TENANT_VAR}", "ray.include_dashboard=false",
-                  f"tasks.task_ids={json.dumps(tasks)}"):
+                  f"tasks.task_ids={json.dumps(tasks)}", "tasks.rollouts_per_task=1"):
             args += ["--set", s]
         done = subprocess.run(args, cwd=REPO_ROOT, capture_output=True, text=True,
                               timeout=RUN_TIMEOUT_S, env={**env, DESKTOP_VAR: ""})
         assert done.returncode == 0, done.stderr[-4000:]
-        records = assert_every_episode_succeeded(tmp_path / "results" / "demo", tasks)
+        records = assert_every_episode_succeeded(tmp_path / "results" / "demo", tasks,
+                                                 rollouts=1)
         assert all(r["desktop"].startswith("remote-") for r in records)
         status = httpx.get(url + "/status", headers={"Authorization": "Bearer tenant-secret"},
                            timeout=10).json()
