@@ -554,7 +554,8 @@ def test_a_service_killed_mid_run_loses_leases_cleanly_and_the_run_completes(tmp
     # The editor's episodes: 6 steps, 3.5 s each. At the kill each has at least 4 steps
     # (14 s) to go, against ~3 s for the restart and its sweep: the sweep ends their
     # desktops under them (what this test is about) with a wide margin on a loaded machine.
-    tasks = ["editor-save-new-file", "calc-add"]
+    # Its two rollouts are the two episodes in flight (a further task would only add time).
+    tasks = ["editor-save-new-file"]
     env = _service_env()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -606,8 +607,7 @@ def test_a_service_killed_mid_run_loses_leases_cleanly_and_the_run_completes(tmp
         records = assert_every_episode_succeeded(run_dir, tasks)  # once each, scored
         assert all(r["desktop"].startswith("remote-") for r in records)
         # The two episodes in flight at the kill failed (infra) and were run again.
-        retried = sorted(r["task_id"] for r in records if r["attempt"] >= 1)
-        assert retried == ["editor-save-new-file"] * 2, records
+        assert [r["attempt"] >= 1 for r in records] == [True, True], records
         assert not _status(url)["leases"]
     finally:
         _stop(service)
