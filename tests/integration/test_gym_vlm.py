@@ -1,25 +1,18 @@
 """The worked example (docs/examples/gym_vlm_loop.py): a tiny random Qwen2.5-VL served by a
-real run_model.py pool on vLLM's CPU build drives CuaDesktopEnv on the real desktop service.
+real run_model.py pool on vLLM's CPU build (the session's) drives CuaDesktopEnv on the real
+desktop service.
 The model's replies are random: the test checks the loop runs end to end, every step an
 executed action, a terminal one or a recorded parse error, and the reward the evaluation's."""
 
 from __future__ import annotations
 
 import importlib.util
-import json
-import shutil
-import tempfile
-from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from cua_rollout.cli.tiny_models import build_tiny_vlm
-from cua_rollout.config import load_config
-from cua_rollout.model.fleet.child import PoolChild
 from tests.integration.test_gym_env import SCREEN, TOKEN_ENV, Service, own_leases, task
 from tests.integration.test_gym_env import service as service  # the fixture
-from tests.support import REPO_ROOT, require_vlm_serving
+from tests.support import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -34,25 +27,10 @@ def _example():
     return module
 
 
-@pytest.fixture(scope="module")
-def model() -> Iterator[tuple[str, str]]:
-    """A run_model.py pool serving a tiny VLM built here: its URL and model name."""
-    require_vlm_serving()
-    tmp = Path(tempfile.mkdtemp(prefix="cua-gym-vlm-"))
-    try:
-        model_dir = build_tiny_vlm(tmp / "tiny-vlm")
-        run_dir = tmp / "run"
-        run_dir.mkdir()
-        cfg = load_config(REPO_ROOT / "configs" / "demo_vlm.yaml", overrides=[
-            f"model_pool.checkpoint={model_dir}", "model_pool.base_port=8176",
-            f"model_pool.state_dir={tmp / 'pool'}",
-            "model_pool.extra_args=" + json.dumps(["--dtype", "float32"])])
-        with PoolChild(cfg, run_dir, report=lambda line: None) as child:
-            child.wait_ready()
-            state = json.loads((tmp / "pool" / "endpoints.json").read_text())
-            yield state["endpoints"][0]["url"], cfg.model.name
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+@pytest.fixture
+def model(tiny_vlm) -> tuple[str, str]:
+    """The session's tiny-VLM pool (tests/integration/conftest.py): its URL and model name."""
+    return tiny_vlm.url, tiny_vlm.cfg.model.name
 
 
 @pytest.mark.parametrize("constrain", [True, False], ids=["grammar", "free"])

@@ -24,7 +24,6 @@ import statistics
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -165,31 +164,11 @@ def _token_id(model_dir: Path, token: str) -> int:
 # --------------------------------------------------------------------------- one pool
 
 
-@pytest.fixture(scope="module")
-def pool() -> Iterator[tuple[Config, str]]:
-    """A run_model.py pool serving a tiny VLM built here, for the tests below; the config
-    and the endpoint URL."""
-    require_vlm_serving()
-    import shutil
-    import tempfile
-
-    tmp = Path(tempfile.mkdtemp(prefix="cua-vlm-"))
-    try:
-        model_dir = build_tiny_vlm(tmp / "tiny-vlm")
-        run_dir = tmp / "run"
-        run_dir.mkdir()
-        # Screenshots under the run directory may be sent by path (model.images: file).
-        cfg = _config(tmp, f"model_pool.checkpoint={model_dir}", "model_pool.base_port=8170",
-                      "model_pool.extra_args=" + json.dumps(
-                          ["--dtype", "float32", "--allowed-local-media-path", str(run_dir)]))
-        with PoolChild(cfg, run_dir, report=lambda line: None) as child:
-            started = child.wait_ready()
-            state = json.loads((Path(cfg.model_pool.state_dir) / "endpoints.json").read_text())
-            url = state["endpoints"][0]["url"]
-            print(f"\nvlm pool: healthy {started:.0f} s after start")
-            yield cfg, url
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+@pytest.fixture
+def pool(tiny_vlm) -> tuple[Config, str]:
+    """The session's tiny-VLM pool (tests/integration/conftest.py): its config and URL; its
+    last extra argument is the directory screenshots may be sent from by path."""
+    return tiny_vlm.cfg, tiny_vlm.url
 
 
 def _chat(url: str, cfg: Config, shots: list[Screenshot], **extra: Any) -> dict[str, Any]:

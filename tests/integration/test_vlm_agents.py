@@ -1,6 +1,6 @@
 """The agents beyond UI-TARS with a real vision-language model in the loop: the tiny random
-Qwen2.5-VL (tests/integration/test_vlm.py builds and serves it the same way) on a real
-run_model.py pool (vLLM's CPU build), driven by run.py on local desktops. A random model
+Qwen2.5-VL on the session's real run_model.py pool (vLLM's CPU build,
+tests/integration/conftest.py), driven by run.py on local desktops. A random model
 rarely writes a readable action: every step must be either parsed or recorded as a parse
 failure (its replies kept), every episode scored, nothing crash.
 
@@ -14,13 +14,11 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from cua_rollout.cli.tiny_models import build_tiny_vlm
 from cua_rollout.core.types import SCORED_STATUSES
-from tests.support import REPO_ROOT, require_vlm_serving
+from tests.support import REPO_ROOT
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -30,23 +28,19 @@ TASKS = ["terminal-hello-file", "editor-save-new-file", "calc-add"]
 
 CASES = {
     "osworld-prompt": ["agent.name=osworld-prompt", "agent.osworld_prompt.max_trajectory_length=2"],
-    "qwen-computer-use": ["agent.name=qwen-computer-use", "model_pool.extra_args=" + json.dumps(
-        ["--dtype", "float32", "--enable-auto-tool-choice", "--tool-call-parser", "hermes"])],
+    "qwen-computer-use": ["agent.name=qwen-computer-use"],
 }
-
-
-@pytest.fixture(scope="module")
-def tiny_vlm(tmp_path_factory) -> Path:
-    require_vlm_serving()
-    return build_tiny_vlm(tmp_path_factory.mktemp("vlm") / "tiny-vlm")
 
 
 @pytest.mark.parametrize("agent", list(CASES))
 def test_every_step_parsed_or_a_recorded_parse_failure(agent, tiny_vlm, tmp_path):
+    # The session's pool (its hermes tool parser serves the qwen agent's tools); run.py's
+    # own pool start is test_vlm.py's demo.
     args = [sys.executable, str(REPO_ROOT / "run.py"), "--config", str(DEMO_VLM)]
     for s in (*CASES[agent], "agent.constrain_actions=false", "agent.max_parse_retries=1",
-              f"run.output_dir={tmp_path / 'results'}", f"model_pool.state_dir={tmp_path / 'pool'}",
-              f"model_pool.checkpoint={tiny_vlm}", f"desktops.local.state_dir={tmp_path / 'd'}",
+              f"run.output_dir={tmp_path / 'results'}",
+              f"model.endpoints={json.dumps([tiny_vlm.url])}", "model_pool.start_with_run=false",
+              f"desktops.local.state_dir={tmp_path / 'd'}",
               f"tasks.task_ids={json.dumps(TASKS)}", "runner.max_steps=4",
               "model.sampling.max_tokens=120", "ray.include_dashboard=false"):
         args += ["--set", s]
