@@ -207,7 +207,7 @@ def test_the_shared_session_is_one_per_loop_and_closed_with_its_loop():
     """``shared_client``: one session per loop; ``close_shared_client`` closes it, and a
     loop that ends without that call (a test's, a tool's ``asyncio.run``) closes it at its
     shutdown rather than leaving an open session to the end of the process."""
-    from cua_rollout.envs.client import _CLIENTS, close_shared_client, shared_client
+    from cua_rollout.envs.client import close_shared_client, shared_client
 
     async def used() -> aiohttp.ClientSession:
         session = shared_client(4)
@@ -223,6 +223,4 @@ def test_the_shared_session_is_one_per_loop_and_closed_with_its_loop():
     left = asyncio.run(used())
     assert left.closed
     assert asyncio.run(closed()).closed
-    asyncio.run(used())
-    assert not any(entry.loop.is_closed() and not entry.session.closed
-                   for entry in _CLIENTS.values())
+    assert asyncio.run(used()) is not left and left.closed
