@@ -88,8 +88,8 @@ def shared_client(max_connections: int) -> aiohttp.ClientSession:
     loop = asyncio.get_running_loop()
     entry = _CLIENTS.get(id(loop))
     if entry is None or entry.loop is not loop or entry.session.closed:
-        for key in [k for k, e in _CLIENTS.items() if e.loop.is_closed()]:
-            del _CLIENTS[key]  # closed with their loops
+        for key in [k for k, e in _CLIENTS.items() if e.loop.is_closed() and e.session.closed]:
+            del _CLIENTS[key]  # closed with their loops (one a loop left open stays held)
         session = hot_session(max_connections)
         closer = _closed_at_shutdown(session)
         # Its first step registers it with the loop (the loop's async generator hook).
