@@ -1735,13 +1735,13 @@ def add_config_arguments(parser: argparse.ArgumentParser, *, required: bool = Tr
         help="override a config key, e.g. --set coordinator.max_concurrent_episodes=16")
 
 
-def config_from_args(args: argparse.Namespace, prog: str = "") -> Config:
+def config_from_args(args: argparse.Namespace) -> Config:
     """The config ``add_config_arguments``' options name, or exit 2 with the error on
     stderr."""
     try:
         return load_config(args.config, args.overrides)
     except ConfigError as exc:
-        print(f"{prog + ': ' if prog else ''}config error: {exc}", file=sys.stderr)
+        print(f"config error: {exc}", file=sys.stderr)
         raise SystemExit(2) from None
 
 

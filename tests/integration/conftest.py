@@ -21,10 +21,8 @@ DEMO_VLM = REPO_ROOT / "configs" / "demo_vlm.yaml"
 class TinyVlm:
     """A run_model.py pool (vLLM's CPU build) serving a tiny random Qwen2.5-VL built here."""
 
-    cfg: Config          # demo_vlm.yaml with this pool's checkpoint, port and state dir
-    url: str             # the replica's base URL
-    model_dir: Path
-    media_dir: Path      # its --allowed-local-media-path (the last of its extra args)
+    cfg: Config   # demo_vlm.yaml with this pool's checkpoint, port, state dir and arguments
+    url: str      # the replica's base URL
 
 
 @pytest.fixture(scope="session")
@@ -53,6 +51,6 @@ def tiny_vlm() -> Iterator[TinyVlm]:
             started = child.wait_ready()
             state = json.loads((tmp / "pool" / "endpoints.json").read_text())
             print(f"\ntiny VLM pool: healthy {started:.0f} s after start")
-            yield TinyVlm(cfg, state["endpoints"][0]["url"], model_dir, media)
+            yield TinyVlm(cfg, state["endpoints"][0]["url"])
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
